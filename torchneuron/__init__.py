@@ -1,0 +1,26 @@
+"""torchneuron: a native PyTorch backend for AWS Trainium-class accelerators.
+
+`import torch` loads it through the `torch.backends` entry point; then `model.to("neuron")` is
+all existing code needs. The device is a software NeuronCore: host memory with device semantics,
+kernels run on the host, and every piece of work is charged to a device timeline by a performance
+model of the chosen Trainium target (TORCHNEURON_TARGET=trn1|trn2|trn3).
+"""
+from __future__ import annotations
+
+from torchneuron.runtime import register as _register
+
+_register()
+
+from torchneuron.hardware import get_target, set_target  # noqa: E402
+from torchneuron.ops.policy import fallback_counts, reset_fallback_counts, set_strict  # noqa: E402
+from torchneuron.runtime.memory import set_capacity as set_memory_capacity  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group: importing this module registers the device."""
+
+
+__all__ = ["fallback_counts", "get_target", "reset_fallback_counts", "set_memory_capacity", "set_strict",
+           "set_target"]

@@ -1,0 +1,85 @@
+// Shared declarations of the software NeuronCore's C++ runtime.
+//
+// The runtime owns the device primitives PyTorch needs in C++ (allocator, device guard, streams,
+// events, generators, hooks) and the eager hot path (the boxed fallback that runs aten ops as CPU
+// kernels over zero-copy CPU aliases). Everything that is not per-op work lives in Python.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <cstdint>
+#include <string>
+
+namespace torchneuron {
+
+constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
+
+// ---- devices and streams (device.cpp) ----
+c10::DeviceIndex device_count();
+c10::DeviceIndex current_device();
+void check_device_index(c10::DeviceIndex index);
+// Stream id of the calling thread's current stream on `index` (0 = the default stream).
+c10::StreamId current_stream_id(c10::DeviceIndex index);
+
+// ---- memory (allocator.cpp) ----
+c10::Allocator* device_allocator();
+// Take ownership of host memory produced by a CPU kernel as device memory of `index`: accounts it
+// against the device's capacity (raising torch.OutOfMemoryError past it) and in the statistics.
+c10::DataPtr adopt_host_memory(c10::DataPtr&& host, size_t nbytes, c10::DeviceIndex index);
+
+// ---- the generator behind each device (device.cpp) ----
+// The CPU generator that actually produces a neuron generator's numbers (CPU kernels accept only
+// CPU generators). `gen` may be undefined: the device's default generator is used.
+at::Generator engine_of(const std::optional<at::Generator>& gen, c10::DeviceIndex index);
+
+// ---- the work log read by the device timeline (worklog.cpp) ----
+enum class WorkKind : int32_t {
+  kOp = 0,          // an aten op run on the device (or on the host as a CPU fallback)
+  kCopy = 1,        // a copy: flags say host->device, device->host or device->device
+  kEventRecord = 2, // aux = event id
+  kEventWait = 3,   // the stream waits for event aux
+  kSyncDevice = 4,  // the host waited for the whole device
+  kSyncStream = 5,  // the host waited for one stream
+  kSyncEvent = 6,   // the host waited for event aux
+};
+enum WorkFlags : int32_t {
+  kFallback = 1,    // the op has no NeuronCore implementation: it ran on the host
+  kHostToDevice = 2,
+  kDeviceToHost = 4,
+  kDeviceToDevice = 8,
+};
+constexpr int kMaxSigs = 4;
+constexpr int kSigDims = 4;
+struct TensorSig {
+  int8_t dtype;   // c10::ScalarType, -1 = none
+  int8_t ndim;    // dimensions before collapsing leading ones into sizes[0]
+  int8_t pad[6];
+  int64_t sizes[kSigDims];
+};
+struct WorkRecord {
+  int32_t kind;
+  int32_t op_id;     // index into op_names(), -1 = none
+  int32_t device;
+  int32_t stream;
+  int32_t flags;
+  int32_t n_inputs;  // signatures [0, n_inputs) are inputs, the rest (up to n_sigs) outputs
+  int32_t n_sigs;
+  int32_t pad;
+  int64_t aux;
+  double host_seconds;  // wall time of a CPU fallback on the host (0 otherwise)
+  TensorSig sigs[kMaxSigs];
+};
+static_assert(sizeof(WorkRecord) == 48 + kMaxSigs * 40, "WorkRecord layout is read by Python");
+
+bool worklog_enabled();
+void fill_sig(TensorSig& s, const at::Tensor& t);
+void fill_sig_numel(TensorSig& s, c10::ScalarType dtype, int64_t numel);
+// Appends a record (already filled except device/stream) for the current stream of `device`.
+void worklog_append(WorkRecord& r, c10::DeviceIndex device);
+void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId stream, int64_t aux);
+
+// ---- ops (fallback.cpp) ----
+int32_t op_id_of(const c10::OperatorHandle& op);
+
+}  // namespace torchneuron

@@ -1,0 +1,130 @@
+// The work log: what the device was asked to do, recorded cheaply on the hot path.
+//
+// Every op, copy, event record/wait and synchronisation appends one fixed-size WorkRecord (op id,
+// device, stream, flags, tensor signatures). The Python device timeline drains the log lazily,
+// prices each record with the performance model (cached by signature) and advances its stream
+// clocks. When the log grows past a threshold it asks Python to drain it.
+#include "neuron.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+namespace torchneuron {
+
+static std::atomic<bool> g_enabled{[] {
+  const char* v = std::getenv("TORCHNEURON_TIMELINE");
+  return !(v && v[0] == '0');
+}()};
+static std::mutex g_log_mutex;
+static std::vector<WorkRecord> g_log;
+static size_t g_drain_threshold = 1 << 15;
+thread_local bool tl_draining = false;
+
+bool worklog_enabled() { return g_enabled.load(std::memory_order_relaxed); }
+
+void fill_sig(TensorSig& s, const at::Tensor& t) {
+  std::memset(&s, 0, sizeof(s));
+  if (!t.defined()) {
+    s.dtype = -1;
+    return;
+  }
+  s.dtype = static_cast<int8_t>(t.scalar_type());
+  const auto sizes = t.sizes();
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  s.ndim = static_cast<int8_t>(std::min<int64_t>(nd, 127));
+  if (nd <= kSigDims) {
+    for (int64_t i = 0; i < nd; ++i) s.sizes[i] = sizes[i];
+  } else {  // keep the trailing dims (what the engines tile), fold the leading ones into the first
+    int64_t lead = 1;
+    for (int64_t i = 0; i <= nd - kSigDims; ++i) lead *= sizes[i];
+    s.sizes[0] = lead;
+    for (int64_t i = 1; i < kSigDims; ++i) s.sizes[i] = sizes[nd - kSigDims + i];
+  }
+}
+
+void fill_sig_numel(TensorSig& s, c10::ScalarType dtype, int64_t numel) {
+  std::memset(&s, 0, sizeof(s));
+  s.dtype = static_cast<int8_t>(dtype);
+  s.ndim = 1;
+  s.sizes[0] = numel;
+}
+
+static void request_drain() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_worklog_full", "").typed<void()>();
+  tl_draining = true;
+  try {
+    op.call();
+  } catch (...) {
+    tl_draining = false;
+    throw;
+  }
+  tl_draining = false;
+}
+
+void worklog_append(WorkRecord& r, c10::DeviceIndex device) {
+  r.device = device;
+  r.stream = static_cast<int32_t>(current_stream_id(device));
+  bool full;
+  {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    g_log.push_back(r);
+    full = g_log.size() >= g_drain_threshold;
+  }
+  if (C10_UNLIKELY(full && !tl_draining)) request_drain();
+}
+
+void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId stream, int64_t aux) {
+  if (!worklog_enabled()) return;
+  WorkRecord r;
+  std::memset(&r, 0, sizeof(r));
+  r.kind = static_cast<int32_t>(kind);
+  r.op_id = -1;
+  r.device = device;
+  r.stream = static_cast<int32_t>(stream);
+  r.aux = aux;
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  g_log.push_back(r);
+}
+
+// Python side: take every record so far as raw bytes (a uint8 CPU tensor).
+static at::Tensor worklog_drain() {
+  std::vector<WorkRecord> taken;
+  {
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    taken.swap(g_log);
+    g_log.reserve(1024);
+  }
+  at::Tensor out = at::empty({static_cast<int64_t>(taken.size() * sizeof(WorkRecord))}, at::kByte);
+  if (!taken.empty()) std::memcpy(out.data_ptr(), taken.data(), taken.size() * sizeof(WorkRecord));
+  return out;
+}
+static int64_t worklog_pending() {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  return static_cast<int64_t>(g_log.size());
+}
+static void set_worklog_enabled(bool on) { g_enabled = on; }
+static bool get_worklog_enabled() { return worklog_enabled(); }
+static void set_worklog_threshold(int64_t n) { g_drain_threshold = static_cast<size_t>(std::max<int64_t>(n, 1)); }
+static int64_t record_size() { return sizeof(WorkRecord); }
+
+TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
+  m.def("worklog_drain() -> Tensor", &worklog_drain);
+  m.def("worklog_pending() -> int", &worklog_pending);
+  m.def("set_worklog_enabled(bool on) -> ()", &set_worklog_enabled);
+  m.def("worklog_enabled() -> bool", &get_worklog_enabled);
+  m.def("set_worklog_threshold(int n) -> ()", &set_worklog_threshold);
+  m.def("worklog_record_size() -> int", &record_size);
+  // Implemented in Python (torchneuron.runtime.timeline_bridge): called from C++.
+  m.def("_worklog_full() -> ()");
+  m.def("_event_elapsed_ms(int start, int end) -> float");
+  m.def("_classify_op(str name) -> int");
+  m.def("_on_fallback(str name, str reason) -> ()");
+}
+
+}  // namespace torchneuron

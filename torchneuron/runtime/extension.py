@@ -1,0 +1,34 @@
+"""Loads the C++ runtime library (torchneuron/runtime/_C.so) into the process.
+
+The library registers the `neuron` device's allocator, device guard, hooks, generators and the
+eager fallback with PyTorch's dispatcher. It is built by `pip install --no-build-isolation -e .`
+(or `python setup.py build_ext --inplace` in a checkout).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C.so")
+_loaded = False
+
+
+def load_runtime_library() -> None:
+    """Loads _C.so once; raises ImportError with the build command if it is missing."""
+    global _loaded
+    if _loaded:
+        return
+    if not os.path.exists(_LIBRARY):
+        raise ImportError(
+            f"torchneuron's C++ runtime is not built ({_LIBRARY} is missing). Build it with "
+            "`pip install --no-build-isolation -e .` from the repository root (torch==2.13.0 must be "
+            "installed first)."
+        )
+    torch.ops.load_library(_LIBRARY)
+    _loaded = True
+
+
+def ops():
+    """The `torch.ops.torchneuron` namespace of runtime primitives."""
+    return torch.ops.torchneuron

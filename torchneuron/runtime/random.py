@@ -1,0 +1,52 @@
+"""Random number generation state of the neuron devices (torch.neuron.manual_seed, ...).
+
+Each device's default generator drives an mt19937 engine like the CPU's, so the same seed gives
+the same numbers on neuron as on the CPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchneuron.runtime.device import device_count, device_index
+from torchneuron.runtime.extension import ops
+
+
+def manual_seed(seed: int, device: Any = None) -> None:
+    ops().manual_seed(device_index(device), int(seed) & 0xFFFF_FFFF_FFFF_FFFF if seed >= 0 else int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    for index in range(device_count()):
+        ops().manual_seed(index, int(seed))
+
+
+def seed() -> None:
+    ops().seed(device_index(None))
+
+
+def seed_all() -> None:
+    for index in range(device_count()):
+        ops().seed(index)
+
+
+def initial_seed() -> int:
+    return int(ops().initial_seed(device_index(None)))
+
+
+def get_rng_state(device: Any = "neuron") -> torch.Tensor:
+    return ops().get_rng_state(device_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
+    ops().set_rng_state(device_index(device), new_state.cpu())
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [ops().get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for index, state in enumerate(new_states):
+        ops().set_rng_state(index, state.cpu())

@@ -1,0 +1,177 @@
+"""Turns the C++ work log into device time: drains records, prices them, advances the timeline.
+
+The hot path only appends fixed-size records (see csrc/neuron.h, WorkRecord). This module reads
+them as a numpy structured array, prices each distinct op signature once with the performance
+model (cached), and replays records in order on each device's DeviceTimeline: ops and copies
+advance their stream's clock, event records note it, waits and synchronisations join clocks.
+`Event.elapsed_time` and every reader of the timeline call `drain()` first.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from torchneuron.hardware.targets import on_target_change
+from torchneuron.runtime.extension import ops
+
+OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = range(7)
+FALLBACK, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = 1, 2, 4, 8
+MAX_SIGS = 4
+
+_SIG = np.dtype([("dtype", "i1"), ("ndim", "i1"), ("pad", "V6"), ("sizes", "<i8", (4,))])
+RECORD = np.dtype([
+    ("kind", "<i4"), ("op_id", "<i4"), ("device", "<i4"), ("stream", "<i4"), ("flags", "<i4"),
+    ("n_inputs", "<i4"), ("n_sigs", "<i4"), ("pad", "<i4"), ("aux", "<i8"), ("host_seconds", "<f8"),
+    ("sigs", _SIG, (MAX_SIGS,)),
+])
+
+# c10::ScalarType codes (c10/core/ScalarType.h) -> torch dtypes
+_SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+                 torch.float64, torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.qint8,
+                 torch.quint8, torch.qint32, torch.bfloat16, torch.quint4x2, torch.quint2x4, torch.bits1x8,
+                 torch.bits2x4, torch.bits4x2, torch.bits8, torch.bits16, torch.float8_e5m2, torch.float8_e4m3fn,
+                 torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.uint16, torch.uint32, torch.uint64]
+
+_op_names: list[str] = []
+_price_cache: dict[bytes, Any] = {}
+_event_times: dict[int, tuple[int, float]] = {}
+_drain_hooks: list[Callable[[np.ndarray], None]] = []
+
+
+def op_name(op_id: int) -> str:
+    if op_id >= len(_op_names):
+        _op_names.extend(ops().op_names(len(_op_names)))
+    return _op_names[op_id] if op_id >= 0 else ""
+
+
+def _signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
+    ndim = int(sig["ndim"])
+    sizes = sig["sizes"]
+    if ndim <= 4:
+        shape = tuple(int(s) for s in sizes[:ndim])
+    else:  # leading dims were folded into the first
+        shape = tuple(int(s) for s in sizes)
+    return _SCALAR_TYPES[int(sig["dtype"])], shape
+
+
+def _price(record: np.void) -> Any:
+    from torchneuron.hardware import model as perf_model
+
+    n_sigs, n_inputs = int(record["n_sigs"]), int(record["n_inputs"])
+    sigs = [_signature(record["sigs"][i]) for i in range(n_sigs)]
+    name = op_name(int(record["op_id"]))
+    flags = int(record["flags"])
+    if int(record["kind"]) == COPY:
+        nbytes = _nbytes(sigs[0])
+        kind = "d2d" if flags & DEVICE_TO_DEVICE else ("h2d" if flags & HOST_TO_DEVICE else "d2h")
+        return perf_model.copy_cost(nbytes, kind)
+    return perf_model.op_cost(name, sigs[:n_inputs], sigs[n_inputs:], fallback=bool(flags & FALLBACK),
+                              host_seconds=float(record["host_seconds"]) if flags & FALLBACK else None)
+
+
+def _nbytes(sig: tuple[torch.dtype, tuple[int, ...]]) -> int:
+    dtype, shape = sig
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else
+                    (1 if dtype == torch.bool else torch.iinfo(dtype).bits // 8) if not dtype.is_complex else
+                    torch.empty((), dtype=dtype).element_size())
+
+
+def drain() -> None:
+    """Prices every pending record and advances the device timelines."""
+    raw = ops().worklog_drain()
+    if raw.numel() == 0:
+        return
+    from torchneuron.hardware import timeline as device_timeline
+
+    records = np.frombuffer(raw.numpy().tobytes(), dtype=RECORD)
+    for hook in _drain_hooks:
+        hook(records)
+    raw_bytes = records.view(np.dtype((np.void, RECORD.itemsize)))
+    for i, record in enumerate(records):
+        kind = int(record["kind"])
+        timeline = device_timeline.get_timeline(int(record["device"]))
+        stream = int(record["stream"])
+        if kind in (OP, COPY):
+            fallback = int(record["flags"]) & FALLBACK
+            key = None if fallback else _cache_key(raw_bytes[i])
+            cost = _price_cache.get(key) if key is not None else None
+            if cost is None:
+                cost = _price(record)
+                if key is not None:
+                    _price_cache[key] = cost
+            timeline.enqueue(stream, cost, op_name(int(record["op_id"])), None)
+        elif kind == EVENT_RECORD:
+            _event_times[int(record["aux"])] = (int(record["device"]), timeline.record_event(stream))
+        elif kind == EVENT_WAIT:
+            event = _event_times.get(int(record["aux"]))
+            if event is not None:
+                timeline.wait_until(stream, event[1])
+        elif kind == SYNC_DEVICE:
+            timeline.synchronize()
+        elif kind == SYNC_STREAM:
+            _host_waited(timeline.now(stream))
+        elif kind == SYNC_EVENT:
+            event = _event_times.get(int(record["aux"]))
+            if event is not None:
+                _host_waited(event[1], device_timeline.get_timeline(event[0]))
+
+
+def _host_waited(t: float, timeline: Any = None) -> None:
+    """The host waited until device time t: nothing it issues afterwards starts earlier."""
+    from torchneuron.hardware import timeline as device_timeline
+
+    timelines = [timeline] if timeline is not None else device_timeline.all_timelines()
+    for tl in timelines:
+        for stream in tl.stream_ids():
+            tl.wait_until(stream, t)
+
+
+def _cache_key(raw: np.void) -> bytes:
+    b = raw.tobytes()
+    # kind, op_id, (device, stream skipped), flags, n_inputs, n_sigs, (aux, host_seconds skipped), sigs
+    return b[0:8] + b[16:28] + b[48:]
+
+
+def event_elapsed_ms(start: int, end: int) -> float:
+    drain()
+    a, b = _event_times.get(start), _event_times.get(end)
+    if a is None or b is None:
+        raise RuntimeError("Both events must be recorded (with the device timeline enabled) before calculating "
+                           "elapsed time; TORCHNEURON_TIMELINE=0 turns timing off.")
+    return (b[1] - a[1]) * 1e3
+
+
+def set_enabled(on: bool) -> None:
+    """Turns recording of device work on or off (TORCHNEURON_TIMELINE=0 starts with it off)."""
+    ops().set_worklog_enabled(bool(on))
+
+
+def is_enabled() -> bool:
+    return bool(ops().worklog_enabled())
+
+
+def add_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
+    """`fn(records)` sees every drained batch of raw records first (used by the profiler)."""
+    _drain_hooks.append(fn)
+
+
+def remove_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
+    if fn in _drain_hooks:
+        _drain_hooks.remove(fn)
+
+
+_registrations: list[torch.library.Library] = []
+
+
+def install() -> None:
+    assert ops().worklog_record_size() == RECORD.itemsize, "WorkRecord layout differs between C++ and Python"
+    lib = torch.library.Library("torchneuron", "IMPL")
+    lib.impl("_worklog_full", lambda: drain(), "CompositeExplicitAutograd")
+    lib.impl("_event_elapsed_ms", event_elapsed_ms, "CompositeExplicitAutograd")
+    _registrations.append(lib)
+    on_target_change(lambda target: (drain(), _price_cache.clear()))
