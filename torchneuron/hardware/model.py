@@ -1,0 +1,756 @@
+"""The performance model: modeled device time of an aten op, a copy or a collective.
+
+This module owns `op_cost` (one eager kernel for one aten op, from the op's name and the
+dtypes and shapes of its tensors), `launch_cost`, `copy_cost` and `collective_cost`, and the
+`Cost` record they return. Formulas are first-principles over the target's figures
+(targets.py) and reuse the per-instruction helpers (instructions.py):
+
+- An eager kernel streams its operands HBM -> SBUF -> engines -> SBUF -> HBM in tiles, and
+  the engines overlap with the DMA across tiles, so
+      duration = max(busiest engine's time, HBM traffic / bandwidth) + fixed latency,
+  where the fixed latency is the un-overlapped first load and last store (two DMA fixed
+  latencies). `bound` names the larger term ("latency" when the fixed part dominates).
+- Matmul-like ops are tiled onto the 128x128 Tensor engine (stationary K, M <= 128, moving
+  N <= 512, ceil-division, each pass paying its fixed issue cost), at the dtype's own rate;
+  PSUM results are evacuated by the Vector and Scalar engines; HBM traffic assumes output
+  blocks that fit half of SBUF.
+- Elementwise ops run on Vector (transcendentals on Scalar), reductions/softmax/norms on
+  Vector (+ Scalar for exp), gather/scatter/sort/index on GpSimd (indirect DMA: one
+  descriptor per index), copies on DMA.
+- A host fallback (fallback=True, or any float64/complex/unsupported dtype) costs the round
+  trip of its inputs and outputs over the host link plus the host's own compute time.
+- Unknown ops are priced like an elementwise op over their bytes; op_cost never raises for
+  an op name.
+
+FLOP counts are nominal (2*M*N*K for matmuls, one per element for elementwise ops, a few per
+element for softmax/norms) and are 0 for pure data movement and host fallbacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from .instructions import contraction_rows, dma_timing, engine_seconds, matmul_pass_cycles
+from .targets import Target, get_target
+
+__all__ = [
+    "Cost",
+    "TensorSig",
+    "op_cost",
+    "launch_cost",
+    "copy_cost",
+    "collective_cost",
+    "classify",
+    "COLLECTIVE_KINDS",
+    "COPY_KINDS",
+]
+
+TensorSig = tuple[torch.dtype, tuple[int, ...]]
+
+COPY_KINDS = ("h2d", "d2h", "d2d")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                    "reduce", "gather", "scatter", "send", "recv", "barrier")
+
+# Assumption: an eager elementwise kernel works on [128, 2048] tiles (1 MiB of fp32 per
+# buffer, so input, output and their double buffers fit SBUF); each tile instruction pays
+# the engine's fixed instruction cost.
+TILE_FREE_ELEMS = 2048
+# Assumption: a counter-based RNG (Philox-like) needs ~4 GpSimd passes per random value.
+RNG_PASSES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """Modeled cost of one unit of device work.
+
+    duration_s: device time; engine: the busiest resource ("tensor", "vector", "scalar",
+    "gpsimd", "dma", "host" for host fallbacks, "link" for collectives); flops: nominal
+    floating-point work done on the device; bytes: HBM bytes moved (host-link or link bytes
+    for transfers); bound: "compute", "memory" or "latency". Frozen: results are cached and
+    shared, use dataclasses.replace to derive a modified one.
+    """
+
+    duration_s: float
+    engine: str
+    flops: float
+    bytes: float
+    bound: str
+    fallback: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _nbytes(sig: TensorSig) -> int:
+    dtype, shape = sig
+    return _numel(shape) * dtype.itemsize
+
+
+def _total_bytes(sigs: Sequence[TensorSig]) -> int:
+    return sum(_nbytes(s) for s in sigs)
+
+
+def _lanes(elements: float, target: Target) -> float:
+    """Elements each partition lane handles when `elements` spread over all partitions."""
+    return math.ceil(elements / target.partitions)
+
+
+def _tiles(lane_elements: float) -> int:
+    return max(1, math.ceil(lane_elements / TILE_FREE_ELEMS))
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+@dataclass
+class _Work:
+    """What one kernel asks of the machine, before combining into a Cost."""
+
+    engine_s: dict[str, float]
+    hbm_bytes: float
+    flops: float
+    engine: str = ""          # reported engine, when not simply the busiest one
+    dma_latencies: int = 2    # un-overlapped DMA fixed latencies: the first load, the last store
+
+
+def _finish(target: Target, work: _Work) -> Cost:
+    compute_s = max((s for e, s in work.engine_s.items() if e != "dma"), default=0.0)
+    # Assumption: contiguous eager operands move at the lesser of HBM and DMA bandwidth;
+    # a kernel that is only a DMA (a copy) is bound by that DMA's own shape-aware time.
+    streaming_s = work.hbm_bytes / min(target.hbm_bytes_per_s, target.dma_bytes_per_s)
+    memory_s = max(streaming_s, work.engine_s.get("dma", 0.0))
+    fixed_s = work.dma_latencies * target.dma_fixed_latency_s
+    engine = work.engine or (max(work.engine_s, key=work.engine_s.__getitem__) if work.engine_s else "dma")
+    if fixed_s >= max(compute_s, memory_s):
+        bound = "latency"
+    else:
+        bound = "compute" if compute_s >= memory_s else "memory"
+    return Cost(max(compute_s, memory_s) + fixed_s, engine, float(work.flops), float(work.hbm_bytes), bound)
+
+
+def _engine_passes(target: Target, engine: str, elements: float, passes: float) -> float:
+    """Seconds for `passes` tile-wise passes of an engine over `elements` elements."""
+    lane = _lanes(elements, target)
+    return engine_seconds(target, engine, lane * passes, math.ceil(_tiles(lane) * passes))
+
+
+def _int64_factor(target: Target, *groups: Sequence[TensorSig]) -> int:
+    # trn1 has no native int64: each int64 element is two int32 operations (assumption).
+    if target.native_int64:
+        return 1
+    return 2 if any(dtype == torch.int64 for sigs in groups for dtype, _ in sigs) else 1
+
+
+def _elements(*groups: Sequence[TensorSig]) -> int:
+    """Element count of the largest tensor in the first non-empty group."""
+    for sigs in groups:
+        if sigs:
+            return max(_numel(shape) for _, shape in sigs)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# op classification
+# ----------------------------------------------------------------------------------------------
+
+def _names(*words: str) -> tuple[str, ...]:
+    return tuple(w for text in words for w in text.split())
+
+
+_CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
+    "view": _names(
+        "view _unsafe_view as_strided reshape _reshape_alias expand expand_as permute transpose t",
+        "squeeze unsqueeze select slice narrow split split_with_sizes chunk unbind alias detach",
+        "resize resize_as set empty empty_strided empty_like new_empty new_empty_strided",
+        "lift_fresh view_as_real view_as_complex real imag unfold diagonal movedim",
+        "_neg_view _conj conj resolve_conj resolve_neg _nested_tensor_from_mask_left_aligned",
+        "as_strided_scatter_view _indices _values"),
+    "matmul": _names("mm addmm bmm baddbmm matmul linear _addmm_activation addbmm addmv mv dot",
+                     "vdot outer ger _scaled_mm inner tensordot"),
+    "conv": _names("convolution convolution_overrideable _convolution conv1d conv2d conv3d",
+                   "conv_transpose1d conv_transpose2d conv_transpose3d mkldnn_convolution",
+                   "_slow_conv2d_forward slow_conv3d_forward _convolution_mode",
+                   "convolution_backward convolution_backward_overrideable _slow_conv2d_backward"),
+    "attention": _names(
+        "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention _scaled_dot_product_attention_math",
+        "scaled_dot_product_attention _scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_cudnn_attention _flash_attention_forward _efficient_attention_forward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention_backward _scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_fused_attention_overrideable_backward _flash_attention_backward",
+        "_efficient_attention_backward _scaled_dot_product_cudnn_attention_backward"),
+    "transcendental": _names(
+        "exp exp2 expm1 log log2 log10 log1p sigmoid tanh gelu silu mish softplus elu selu celu",
+        "erf erfc erfinv sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh rsqrt sqrt",
+        "pow float_power logit logaddexp logaddexp2 sigmoid_backward tanh_backward gelu_backward",
+        "silu_backward mish_backward softplus_backward elu_backward logit_backward lgamma digamma",
+        "polygamma sinc xlogy special_xlog1py glu glu_backward log_sigmoid_forward",
+        "log_sigmoid_backward"),
+    "reduction": _names(
+        "sum mean amax amin max min prod norm linalg_vector_norm argmax argmin all any aminmax",
+        "nansum nanmean count_nonzero logsumexp var std var_mean std_mean _cdist_forward",
+        "nll_loss nll_loss_forward nll_loss2d_forward mse_loss l1_loss smooth_l1_loss",
+        "huber_loss binary_cross_entropy binary_cross_entropy_with_logits kl_div",
+        "nll_loss_backward nll_loss2d_backward mse_loss_backward"),
+    "scan": _names("cumsum cumprod cummax cummin logcumsumexp _cumsum _cumprod"),
+    "softmax": _names("_softmax _log_softmax softmax log_softmax _safe_softmax"),
+    "softmax_backward": _names("_softmax_backward_data _log_softmax_backward_data"),
+    "norm": _names("native_layer_norm layer_norm native_batch_norm _native_batch_norm_legit",
+                   "_native_batch_norm_legit_no_training _native_batch_norm_legit_functional",
+                   "batch_norm native_group_norm group_norm rms_norm _fused_rms_norm",
+                   "instance_norm _batch_norm_with_update _batch_norm_no_update"),
+    "norm_backward": _names("native_layer_norm_backward native_batch_norm_backward",
+                            "native_group_norm_backward _fused_rms_norm_backward",
+                            "batch_norm_backward"),
+    "gather": _names("index_select gather index take embedding masked_select nonzero",
+                     "_embedding_bag embedding_bag take_along_dim _unsafe_index"),
+    "scatter": _names("scatter scatter_add scatter_reduce index_put _index_put_impl index_add",
+                      "index_copy index_fill index_reduce put masked_scatter",
+                      "embedding_dense_backward embedding_backward _embedding_bag_backward",
+                      "_unsafe_index_put index_select_backward"),
+    "sort": _names("sort argsort topk unique _unique _unique2 unique_consecutive",
+                   "unique_dim searchsorted bucketize kthvalue median nanmedian mode msort",
+                   "randperm"),
+    "copy": _names("copy _copy_from _copy_from_and_resize clone contiguous _to_copy to cat",
+                   "stack hstack vstack concat concatenate repeat tile expand_copy permute_copy",
+                   "t_copy transpose_copy flip roll narrow_copy constant_pad_nd pad",
+                   "split_with_sizes_copy unbind_copy _reshape_copy view_copy as_strided_copy",
+                   "slice_scatter select_scatter diagonal_scatter as_strided_scatter repeat_interleave",
+                   "_to_dtype unfold_copy col2im im2col select_backward slice_backward"),
+    "fill": _names("fill zero zeros ones full zeros_like ones_like full_like new_zeros new_ones",
+                   "new_full scalar_tensor masked_fill_fill eye"),
+    "random": _names("uniform normal bernoulli random rand randn randint rand_like randn_like",
+                     "randint_like exponential geometric log_normal cauchy multinomial poisson",
+                     "native_dropout dropout"),
+    "iota": _names("arange linspace logspace range"),
+    "optimizer": _names("_fused_adam _fused_adamw _fused_sgd _fused_adagrad"),
+    "pool": _names("max_pool1d max_pool2d max_pool3d max_pool2d_with_indices",
+                   "max_pool3d_with_indices avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d",
+                   "adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool2d _adaptive_avg_pool2d",
+                   "_adaptive_avg_pool3d max_pool2d_with_indices_backward avg_pool2d_backward",
+                   "_adaptive_avg_pool2d_backward adaptive_max_pool2d_backward"),
+    "scalar_read": _names("_local_scalar_dense item"),
+}
+_CATEGORY: dict[str, str] = {name: cat for cat, names in _CATEGORY_NAMES.items() for name in names}
+
+
+def _base_name(op: str) -> str:
+    """"aten::add_.Tensor" -> "add"; "aten::copy_" -> "copy"; "mylib::foo.out" -> "foo"."""
+    name = op.rsplit("::", 1)[-1].split(".", 1)[0]
+    if name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    return name
+
+
+def classify(op: str) -> str:
+    """The model's category of an aten op name ("matmul", "elementwise", "gather", ...)."""
+    name = _base_name(op)
+    if name in _CATEGORY:
+        return _CATEGORY[name]
+    if name.startswith("_foreach_"):
+        inner = _CATEGORY.get(name.removeprefix("_foreach_"), "elementwise")
+        return "foreach_transcendental" if inner == "transcendental" else "foreach"
+    if name.endswith("_backward"):
+        forward = _CATEGORY.get(name.removesuffix("_backward"))
+        if forward in ("transcendental", "pool"):
+            return forward
+    return "elementwise"
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul family on the Tensor engine
+# ----------------------------------------------------------------------------------------------
+
+def _matmul_dtype(target: Target, dtype: torch.dtype) -> torch.dtype:
+    """The rate a matmul runs at: its own dtype's, or FP32's for types the Tensor engine has
+    no rate for (integers; assumption: computed through the FP32 path)."""
+    try:
+        target.peak_flops(dtype)
+        return dtype
+    except TypeError:
+        return torch.float32
+
+
+def _tile_sizes(extent: int, tile: int) -> tuple[tuple[int, int], ...]:
+    """((tile width, count), ...) of a ceil-division tiling of `extent`."""
+    full, rest = divmod(extent, tile)
+    return tuple((w, n) for w, n in ((tile, full), (rest, 1 if rest else 0)) if n)
+
+
+def _output_block(target: Target) -> int:
+    """Side of the square output block a matmul keeps on chip: the largest multiple of the
+    moving tile whose fp32 accumulator fits half of usable SBUF (the other half holds the
+    double-buffered operand panels)."""
+    side = math.isqrt(target.sbuf_usable_bytes // 2 // 4)
+    return max(target.gemm_moving_fmax, side // target.gemm_moving_fmax * target.gemm_moving_fmax)
+
+
+def _gemm(target: Target, dtype: torch.dtype, *, batch: int, m: int, n: int, k: int,
+          a_bytes: float, b_bytes: float, other_bytes: float, k_tiles: int | None = None,
+          repeat: float = 1.0) -> _Work:
+    """C[m, n] = A[m, k] @ B[k, n], `batch` times, `repeat` such products (backward)."""
+    dtype = _matmul_dtype(target, dtype)
+    if k_tiles is None:
+        k_tiles = math.ceil(k / contraction_rows(target, dtype))
+    pass_cycles = sum(count_m * count_n * matmul_pass_cycles(target, dtype, width_n, width_m)
+                      for width_m, count_m in _tile_sizes(m, target.gemm_stationary_fmax)
+                      for width_n, count_n in _tile_sizes(n, target.gemm_moving_fmax))
+    tensor_s = repeat * batch * k_tiles * pass_cycles / target.clock_hz("tensor")
+    # PSUM -> SBUF evacuation of every output tile, shared by Vector and Scalar (both read
+    # PSUM): each handles a share proportional to its clock, one element per lane-cycle.
+    m_tiles = math.ceil(m / target.partitions)
+    lane_elements = repeat * batch * m_tiles * n
+    tiles = repeat * batch * m_tiles * math.ceil(n / target.psum_fmax)
+    both_hz = target.clock_hz("vector") + target.clock_hz("scalar")
+    evacuation_s = (lane_elements + tiles * target.instruction_fixed_cycles) / both_hz
+    # HBM traffic: A is re-read once per output block column, B once per block row.
+    block = _output_block(target)
+    hbm = repeat * (a_bytes * math.ceil(n / block) + b_bytes * math.ceil(m / block)) + other_bytes
+    flops = 2.0 * repeat * batch * m * n * k
+    return _Work({"tensor": tensor_s, "vector": evacuation_s, "scalar": evacuation_s}, hbm, flops,
+                 engine="tensor")
+
+
+def _matmul_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work | None:
+    """Shapes of the matmul family -> _Work, or None when the signature is not understood."""
+    has_bias = name in ("addmm", "_addmm_activation", "baddbmm", "addbmm", "addmv")
+    operands = ins[1:3] if has_bias else ins[:2]
+    if len(operands) < 2:
+        return None
+    (a_dtype, a), (_, b) = operands
+    bias_bytes = _nbytes(ins[0]) if has_bias else 0
+    if name == "linear":  # x[..., K] @ w[N, K]^T (+ bias[N])
+        k, n = a[-1], b[0]
+        m, batch = _numel(a[:-1]), 1
+        bias_bytes = _total_bytes(ins[2:3])
+    elif name in ("mv", "addmv"):
+        m, k, n, batch = a[0], a[1], 1, 1
+    elif name in ("dot", "vdot", "inner") and len(a) == 1:
+        m, k, n, batch = 1, a[0], 1, 1
+    elif name in ("outer", "ger"):
+        m, k, n, batch = a[0], 1, b[0], 1
+    elif len(a) >= 2 and len(b) == 2:  # mm, addmm, matmul with a 2-D right operand
+        k, n = a[-1], b[-1]
+        m, batch = _numel(a[:-1]), 1
+    elif len(a) >= 3 and len(b) >= 3:  # bmm, baddbmm, addbmm, batched matmul
+        m, k, n = a[-2], a[-1], b[-1]
+        out_shape = outs[0][1] if outs else ()
+        batch = _numel(out_shape[:-2]) if len(out_shape) >= 3 else max(_numel(a[:-2]), _numel(b[:-2]))
+        if name == "addbmm":
+            batch = a[0]
+    elif len(a) == 1 and len(b) >= 2:  # vector @ (batched) matrix
+        m, k, n = 1, a[0], b[-1]
+        batch = _numel(b[:-2])
+    elif len(a) >= 2 and len(b) == 1:  # (batched) matrix @ vector
+        m, k, n, batch = _numel(a[:-1]), a[-1], 1, 1
+    elif len(a) == 1 and len(b) == 1:
+        m, k, n, batch = 1, a[0], 1, 1
+    else:
+        return None
+    out_bytes = _total_bytes(outs) if outs else m * n * batch * a_dtype.itemsize
+    return _gemm(target, a_dtype, batch=batch, m=m, n=n, k=k, a_bytes=_nbytes(operands[0]),
+                 b_bytes=_nbytes(operands[1]), other_bytes=out_bytes + bias_bytes)
+
+
+def _conv_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work | None:
+    """Convolution as weight-stationary GEMMs, one per kernel offset (the input window shifts
+    under the array): M = C_out/groups, N = batch * output pixels, K = C_in/groups per pass.
+    Assumption: the shifted windows are re-used from SBUF, so HBM sees each tensor once."""
+    backward = "backward" in name
+    if backward:  # (grad_output, input, weight) -> (grad_input, grad_weight, grad_bias)
+        if len(ins) < 3:
+            return None
+        grad_out, x, w = ins[0], ins[1], ins[2]
+        y_shape = grad_out[1]
+        produced = [o for o in outs if o[1] in (x[1], w[1])]
+        repeat = float(max(1, len(produced)))
+    else:
+        if len(ins) < 2 or not outs:
+            return None
+        x, w = ins[0], ins[1]
+        y_shape = outs[0][1]
+        repeat = 1.0
+    x_shape, w_shape = x[1], w[1]
+    if len(x_shape) < 3 or len(w_shape) != len(x_shape) or len(y_shape) != len(x_shape):
+        return None
+    batch, c_in = x_shape[0], x_shape[1]
+    kernel = _numel(w_shape[2:])
+    transposed = _numel(y_shape[2:]) > _numel(x_shape[2:]) and w_shape[0] == c_in
+    if transposed:  # weight [C_in, C_out/g, k...]: the GEMM runs over input pixels
+        groups = max(1, c_in // w_shape[0]) if w_shape[0] else 1
+        m, k_per_group, pixels = w_shape[1], c_in // groups, batch * _numel(x_shape[2:])
+    else:
+        groups = max(1, c_in // w_shape[1]) if w_shape[1] else 1
+        m, k_per_group, pixels = w_shape[0] // groups, w_shape[1], batch * _numel(y_shape[2:])
+    dtype = x[0]
+    k_tiles = kernel * math.ceil(k_per_group / contraction_rows(target, _matmul_dtype(target, dtype)))
+    return _gemm(target, dtype, batch=groups, m=m, n=pixels, k=k_per_group * kernel,
+                 a_bytes=_nbytes(w), b_bytes=0, other_bytes=_total_bytes(ins) - _nbytes(w) + _total_bytes(outs),
+                 k_tiles=k_tiles, repeat=repeat)
+
+
+def _attention_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work | None:
+    """softmax(Q K^T) V as in flash attention: QK^T and PV on the Tensor engine, P transposed
+    on it too, exp on Scalar, row max and rescaling on Vector. Assumptions: no causal mask
+    (the signature does not say; full cost), K and V of one head stay in SBUF when they fit
+    half of it, else they are re-read for every 128-row query tile. The backward pass is five
+    matmuls of the same sizes (2.5x the forward's two) and three Vector passes."""
+    backward = "backward" in name
+    qkv = ins[1:4] if backward else ins[:3]  # backward inputs start with grad_out
+    if len(qkv) < 3 or any(len(shape) < 2 for _, shape in qkv):
+        return None
+    (dtype, q), (_, k), (_, v) = qkv
+    heads = _numel(q[:-2])
+    l, e, s, ev = q[-2], q[-1], k[-2], v[-1]
+    repeat = 2.5 if backward else 1.0
+    scores = _gemm(target, dtype, batch=heads, m=l, n=s, k=e, a_bytes=0, b_bytes=0, other_bytes=0, repeat=repeat)
+    values = _gemm(target, dtype, batch=heads, m=l, n=ev, k=s, a_bytes=0, b_bytes=0, other_bytes=0, repeat=repeat)
+    blocks = heads * math.ceil(l / target.partitions) * math.ceil(s / target.partitions)
+    transpose_s = blocks * matmul_pass_cycles(target, _matmul_dtype(target, dtype), target.partitions,
+                                              target.partitions) / target.clock_hz("tensor")
+    score_elements = heads * l * s
+    exp_s = _engine_passes(target, "scalar", score_elements, 1)
+    vector_s = _engine_passes(target, "vector", score_elements, 3 if backward else 1)
+    kv_bytes_per_head = (_nbytes(qkv[1]) + _nbytes(qkv[2])) / max(1, _numel(k[:-2]))
+    rereads = 1 if kv_bytes_per_head <= target.sbuf_usable_bytes / 2 else math.ceil(l / target.partitions)
+    hbm = _total_bytes(ins) + _total_bytes(outs) + (rereads - 1) * (_nbytes(qkv[1]) + _nbytes(qkv[2]))
+    engine_s = {
+        "tensor": scores.engine_s["tensor"] + values.engine_s["tensor"] + repeat * transpose_s,
+        "scalar": exp_s + values.engine_s["scalar"],
+        "vector": vector_s + values.engine_s["vector"],
+    }
+    flops = scores.flops + values.flops + 5.0 * score_elements
+    return _Work(engine_s, hbm, flops, engine="tensor")
+
+
+# ----------------------------------------------------------------------------------------------
+# Vector / Scalar / GpSimd / DMA kernels
+# ----------------------------------------------------------------------------------------------
+
+def _elementwise_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig], *,
+                      engine: str = "vector", passes: float = 1.0, flops_per_element: float = 1.0,
+                      elements: float | None = None, scalar_passes: float = 0.0) -> _Work:
+    if elements is None:
+        elements = _elements(outs, ins)
+    passes *= _int64_factor(target, ins, outs)
+    engine_s = {engine: _engine_passes(target, engine, elements, passes)}
+    if scalar_passes:
+        engine_s["scalar"] = engine_s.get("scalar", 0.0) + _engine_passes(target, "scalar", elements, scalar_passes)
+    hbm = _total_bytes(ins) + _total_bytes(outs)
+    return _Work(engine_s, hbm, flops_per_element * elements)
+
+
+def _index_inputs(ins: Sequence[TensorSig]) -> list[TensorSig]:
+    """Index tensors: integer/bool inputs after the first (the first is the indexed tensor)."""
+    return [s for s in ins[1:] if _is_integer(s[0])]
+
+
+def _indirect_dma_s(target: Target, rows: int, nbytes: float) -> float:
+    """Busy time of an indirect DMA moving `rows` runs (one descriptor per index)."""
+    if rows <= 0 or nbytes <= 0:
+        return 0.0
+    return dma_timing(target, nbytes, descriptors=rows, src="hbm", dst="hbm").busy_s
+
+
+def _gather_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """Gathers (embedding, index_select, gather, index): GpSimd computes addresses for each
+    index and the DMA moves one run per index; only the gathered rows cross HBM, not the
+    whole source. nonzero/masked_select (no index input) scan their input instead."""
+    index = _index_inputs(ins)
+    out_bytes = _total_bytes(outs)
+    if not index:
+        return _elementwise_work(target, ins, outs, engine="gpsimd", flops_per_element=0)
+    rows = sum(_numel(shape) for _, shape in index)
+    dma_s = _indirect_dma_s(target, rows, out_bytes)
+    address_s = _engine_passes(target, "gpsimd", rows, _int64_factor(target, index))
+    hbm = _total_bytes(index) + 2 * out_bytes  # read the gathered runs, write the result
+    return _Work({"gpsimd": max(address_s, dma_s)}, hbm, 0.0, engine="gpsimd")
+
+
+def _scatter_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """Scatters (index_put, scatter_add, embedding backward): one run per index, read-modify-
+    write of the destination rows (assumption: accumulate is the common case), and the
+    values read once. The destination is the output; an input of its shape is the
+    destination passed in place, other floating inputs are the values. A destination no
+    input provides (embedding backward) is freshly allocated and zeroed first."""
+    index = _index_inputs(ins)
+    destination = outs[0][1] if outs else None
+    values = [s for s in ins if not _is_integer(s[0]) and s[1] != destination]
+    rows = sum(_numel(shape) for _, shape in index)
+    value_bytes = _total_bytes(values) or rows * (outs[0][0].itemsize if outs else 4)
+    dma_s = _indirect_dma_s(target, rows, 2 * value_bytes)
+    address_s = _engine_passes(target, "gpsimd", rows, _int64_factor(target, index))
+    in_place = any(s[1] == destination for s in ins)
+    zeroing = 0 if in_place else _total_bytes(outs)
+    hbm = _total_bytes(index) + 3 * value_bytes + zeroing
+    return _Work({"gpsimd": max(address_s, dma_s)}, hbm, 0.0, engine="gpsimd")
+
+
+def _sort_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """Sorts and friends on GpSimd: a bitonic network, n/2 * log2(n) * (log2(n)+1) / 2
+    compare-exchanges over the sorted dimension (assumption: the last one), one per lane-cycle."""
+    if not ins:
+        return _elementwise_work(target, ins, outs, engine="gpsimd")
+    shape = ins[0][1]
+    length = shape[-1] if shape else 1
+    stages = math.log2(max(2, length))
+    passes = stages * (stages + 1) / 2
+    return _elementwise_work(target, ins, outs, engine="gpsimd", passes=passes, flops_per_element=0,
+                             elements=_numel(shape))
+
+
+def _copy_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """Device copies: DMA HBM -> HBM, unless the dtype changes (then a Vector cast)."""
+    sources = ins[1:] if name == "copy" and len(ins) > 1 else ins  # copy_(self, src): self is written only
+    written = _total_bytes(outs) if outs else _total_bytes(sources)
+    converting = bool(outs) and any(s[0] != outs[0][0] for s in sources)
+    if converting:
+        return _elementwise_work(target, sources, outs, flops_per_element=0)
+    dma_s = dma_timing(target, written, contiguous_bytes=written, src="hbm", dst="hbm").busy_s
+    return _Work({"dma": dma_s}, _total_bytes(sources) + written, 0.0, engine="dma", dma_latencies=1)
+
+
+def _optimizer_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """Fused Adam(W)/SGD over lists: per parameter element ~6 Vector passes (moments, bias
+    correction, update, weight decay) and one Scalar sqrt; reads params, grads and two
+    moments, writes params and moments. The parameter count is a quarter of the non-scalar
+    input elements (params, grads, exp_avg, exp_avg_sq)."""
+    tensors = [s for s in ins if _numel(s[1]) > 1]
+    elements = sum(_numel(s[1]) for s in tensors) / 4
+    read = _total_bytes(tensors)
+    written = _total_bytes(outs) if outs else read * 3 / 4
+    engine_s = {"vector": _engine_passes(target, "vector", elements, 6),
+                "scalar": _engine_passes(target, "scalar", elements, 1)}
+    return _Work(engine_s, read + written, 12.0 * elements)
+
+
+def _foreach_elements(ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> float:
+    # Outputs (the written tensors) give the work; in-place calls without outputs are
+    # assumed binary (self list, other list).
+    if outs:
+        return sum(_numel(s[1]) for s in outs)
+    return sum(_numel(s[1]) for s in ins) / 2
+
+
+def _scalar_read_cost(target: Target, ins: Sequence[TensorSig]) -> Cost:
+    return copy_cost(sum(s[0].itemsize for s in ins[:1]), "d2h", target)
+
+
+_FLOPS_PER_ELEMENT = {"softmax": 5.0, "softmax_backward": 3.0, "norm": 7.0, "norm_backward": 10.0}
+
+
+def _device_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
+    category = classify(op)
+    name = _base_name(op)
+    work: _Work | None = None
+    if category == "view":
+        return Cost(0.0, "dma", 0.0, 0.0, "latency")
+    if category == "scalar_read":
+        return _scalar_read_cost(target, ins)
+    if category == "matmul":
+        work = _matmul_work(target, name, ins, outs)
+    elif category == "conv":
+        work = _conv_work(target, name, ins, outs)
+    elif category == "attention":
+        work = _attention_work(target, name, ins, outs)
+    elif category == "transcendental":
+        work = _elementwise_work(target, ins, outs, engine="scalar")
+        if name.endswith("_backward"):  # derivative on Scalar, product with grad on Vector
+            work.engine_s["vector"] = _engine_passes(target, "vector", _elements(outs, ins), 1)
+    elif category == "reduction":
+        elements = _elements(ins)
+        passes = 2.0 if name in ("var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm") else 1.0
+        work = _elementwise_work(target, ins, outs, passes=passes, elements=elements)
+    elif category == "scan":
+        work = _elementwise_work(target, ins, outs)
+    elif category in ("softmax", "softmax_backward", "norm", "norm_backward"):
+        elements = _elements(ins)
+        forward = category in ("softmax", "norm")
+        work = _elementwise_work(target, ins, outs, passes=2.0 if forward else 3.0,
+                                 scalar_passes=1.0 if forward else 0.0, elements=elements,
+                                 flops_per_element=_FLOPS_PER_ELEMENT[category])
+    elif category == "gather":
+        work = _gather_work(target, ins, outs)
+    elif category == "scatter":
+        work = _scatter_work(target, ins, outs)
+    elif category == "sort":
+        work = _sort_work(target, ins, outs)
+    elif category == "copy":
+        work = _copy_work(target, name, ins, outs)
+    elif category == "fill":  # memset: write only
+        work = _elementwise_work(target, (), outs or ins[:1], flops_per_element=0)
+    elif category == "random":
+        work = _elementwise_work(target, (), outs or ins[:1], engine="gpsimd", passes=RNG_PASSES,
+                                 flops_per_element=0)
+        if "dropout" in name:  # mask and scale the input on Vector
+            work.engine_s["vector"] = _engine_passes(target, "vector", _elements(ins), 2)
+            work.hbm_bytes += _total_bytes(ins)
+    elif category == "iota":
+        work = _elementwise_work(target, (), outs, engine="gpsimd", flops_per_element=0)
+    elif category == "optimizer":
+        work = _optimizer_work(target, ins, outs)
+    elif category in ("foreach", "foreach_transcendental"):
+        engine = "scalar" if category == "foreach_transcendental" else "vector"
+        work = _elementwise_work(target, ins, outs, engine=engine, elements=_foreach_elements(ins, outs))
+    elif category == "pool":
+        work = _elementwise_work(target, ins, outs, elements=max(_elements(ins), _elements(outs)))
+    if work is None:  # elementwise, unknown ops, and signatures the specific models reject
+        work = _elementwise_work(target, ins, outs)
+    return _finish(target, work)
+
+
+# ----------------------------------------------------------------------------------------------
+# host fallback, copies, collectives, launch
+# ----------------------------------------------------------------------------------------------
+
+def _host_transfer_s(target: Target, nbytes: float) -> float:
+    """One host<->device transfer: a PCIe round trip to set it up, the DMA's fixed latency,
+    and the bytes at the host link's rate (targets.py states the PCIe assumption)."""
+    if nbytes <= 0:
+        return 0.0
+    return target.host_link_latency_s + target.dma_fixed_latency_s + nbytes / target.host_link_bytes_per_s
+
+
+def _fallback_cost(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
+    """The op ran on the host CPU: its inputs went device->host, its outputs host->device.
+    Host compute time is added by op_cost from `host_seconds`."""
+    read, written = _total_bytes(ins), _total_bytes(outs)
+    duration = _host_transfer_s(target, read) + _host_transfer_s(target, written)
+    streaming = (read + written) / target.host_link_bytes_per_s
+    bound = "memory" if streaming > duration - streaming else "latency"
+    return Cost(duration, "host", 0.0, float(read + written), bound, fallback=True)
+
+
+def launch_cost(target: Target | None = None) -> float:
+    """Seconds of device time to dispatch one eager kernel (Target.kernel_launch_s states the
+    assumption: doorbell and completion over PCIe plus one DMA to fetch the instructions)."""
+    return (target or get_target()).kernel_launch_s
+
+
+def copy_cost(nbytes: int, kind: str, target: Target | None = None) -> Cost:
+    """A copy of `nbytes` contiguous bytes: "h2d"/"d2h" over the host link (PCIe), "d2d"
+    within HBM by DMA (read and write both cross HBM)."""
+    target = target or get_target()
+    if kind not in COPY_KINDS:
+        raise ValueError(f"unknown copy kind {kind!r}; expected one of {', '.join(COPY_KINDS)}")
+    if nbytes <= 0:
+        return Cost(0.0, "dma", 0.0, 0.0, "latency")
+    if kind == "d2d":
+        timing = dma_timing(target, nbytes, contiguous_bytes=nbytes, src="hbm", dst="hbm")
+        duration, fixed = timing.latency_s, target.dma_fixed_latency_s
+        moved = 2.0 * nbytes
+    else:
+        duration = _host_transfer_s(target, nbytes)
+        fixed = target.host_link_latency_s + target.dma_fixed_latency_s
+        moved = float(nbytes)
+    bound = "latency" if fixed >= duration - fixed else "memory"
+    return Cost(duration, "dma", 0.0, moved, bound)
+
+
+# Ring algorithms: (steps as a function of ranks n, fraction of nbytes each rank sends).
+# nbytes is the full buffer: the all_reduce buffer, all_gather's gathered output,
+# reduce_scatter's unscattered input, all_to_all's whole send buffer.
+_RING: dict[str, tuple[Callable[[int], int], Callable[[int], float]]] = {
+    "all_reduce": (lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    "all_gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "reduce_scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "all_to_all": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "gather": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "scatter": (lambda n: n - 1, lambda n: (n - 1) / n),
+    "broadcast": (lambda n: n - 1, lambda n: 1.0),   # pipelined along the ring
+    "reduce": (lambda n: n - 1, lambda n: 1.0),      # pipelined along the ring
+    "send": (lambda n: 1, lambda n: 1.0),
+    "recv": (lambda n: 1, lambda n: 1.0),
+    "barrier": (lambda n: 2 * (n - 1), lambda n: 0.0),  # an all_reduce of nothing
+}
+_COLLECTIVE_ALIASES = {
+    "allreduce": "all_reduce", "allgather": "all_gather", "all_gather_into_tensor": "all_gather",
+    "_allgather_base": "all_gather", "all_gather_single": "all_gather",
+    "reducescatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    "alltoall": "all_to_all", "all_to_all_single": "all_to_all", "alltoall_base": "all_to_all",
+}
+
+
+def collective_link_bytes_per_s(target: Target, ranks: int) -> float:
+    """Per-rank ring bandwidth. Ranks within one chip exchange through HBM by DMA (each byte
+    read and written in HBM: half the HBM bandwidth, capped by DMA); across chips, the chip's
+    NeuronLink bandwidth shared by its cores."""
+    if ranks <= target.cores_per_chip:
+        return min(target.dma_bytes_per_s, target.hbm_bytes_per_s / 2)
+    return target.neuronlink_bytes_per_s
+
+
+def collective_cost(kind: str, nbytes: int, ranks: int, target: Target | None = None) -> Cost:
+    """Ring collective over `ranks` logical cores: steps * link_step_latency_s + fraction *
+    nbytes / per-rank bandwidth (all_reduce: 2(n-1) steps, 2(n-1)/n of the bytes). The
+    reduction arithmetic runs on the collective-compute cores at line rate (not charged)."""
+    target = target or get_target()
+    canonical = _COLLECTIVE_ALIASES.get(kind, kind)
+    if canonical not in _RING:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVE_KINDS)}")
+    if ranks <= 1:
+        return Cost(0.0, "link", 0.0, 0.0, "latency")
+    steps_of, fraction_of = _RING[canonical]
+    sent = fraction_of(ranks) * max(0, nbytes)
+    latency_s = steps_of(ranks) * target.link_step_latency_s
+    transfer_s = sent / collective_link_bytes_per_s(target, ranks)
+    bound = "memory" if transfer_s > latency_s else "latency"
+    return Cost(latency_s + transfer_s, "link", 0.0, sent, bound)
+
+
+# ----------------------------------------------------------------------------------------------
+# op_cost: the cached entry point
+# ----------------------------------------------------------------------------------------------
+
+_cache: dict[tuple, Cost] = {}
+_CACHE_LIMIT = 1 << 16
+
+
+def _runs_on_host(target: Target, sigs: Sequence[TensorSig]) -> bool:
+    return any(not target.supports(dtype) for dtype, _ in sigs)
+
+
+def op_cost(op: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig],
+            target: Target | None = None, *, fallback: bool = False,
+            host_seconds: float | None = None) -> Cost:
+    """Modeled cost of one eager kernel for aten op `op` ("aten::mm", "aten::add.Tensor", ...).
+
+    inputs/outputs: (dtype, shape) of each tensor argument/result, in schema order (pass
+    the written tensors as outputs for in-place and out= ops). fallback=True, or any dtype
+    the target lacks (float64, complex, ...), prices a host-CPU fallback: transfers over the
+    host link plus `host_seconds`. Never raises for an unknown op. Cached by signature.
+    """
+    target = target or get_target()
+    inputs, outputs = tuple(inputs), tuple(outputs)
+    key = (op, inputs, outputs, target.name, fallback)
+    cost = _cache.get(key)
+    if cost is None:
+        if fallback or _runs_on_host(target, inputs + outputs):
+            cost = _fallback_cost(target, inputs, outputs)
+        else:
+            cost = _device_cost(target, op, inputs, outputs)
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        _cache[key] = cost
+    if host_seconds and cost.fallback:
+        transfer = cost.duration_s
+        bound = "compute" if host_seconds >= transfer else cost.bound
+        cost = replace(cost, duration_s=transfer + host_seconds, bound=bound)
+    return cost
+
+
+def clear_cache() -> None:
+    """Drop cached op costs (e.g. after editing a Target in a test)."""
+    _cache.clear()
