@@ -1,11 +1,27 @@
 """torchneuron.hardware: targets (specs), the performance model, the device timeline.
 
 The lowest layer beside runtime: pure Python (torch for dtypes, numpy), importing nothing
-from other torchneuron folders. See targets.py (the machines), instructions.py (one NKI
-instruction), model.py (one aten op, copy or collective), timeline.py (per-device stream
-clocks) and estimate.py (the `estimate()` context manager).
+from other torchneuron folders. Modules:
+
+- targets.py: the machines (trn1, trn2, trn3) and the current target;
+- instructions.py: the cost of one NeuronCore instruction (the NKI simulator's interface);
+- model.py: the cost of one aten op, copy or collective (`op_cost`, `Cost`);
+- timeline.py: per-device stream clocks of modeled device time, and their listeners;
+- estimate.py: the `estimate()` context manager summarising a region's device work.
+
+Note: `torchneuron.hardware.estimate` is the function; its module is importable with
+`from torchneuron.hardware.estimate import Estimate`.
 """
 
+from .estimate import Estimate, estimate
+from .instructions import ENGINES, instruction_cost
+from .model import Cost, TensorSig, collective_cost, copy_cost, launch_cost, op_cost
 from .targets import TARGETS, Target, UnsupportedDtypeError, get_target, on_target_change, set_target
+from .timeline import DeviceTimeline, TimelineEntry, add_listener, all_timelines, get_timeline, remove_listener
 
-__all__ = ["TARGETS", "Target", "UnsupportedDtypeError", "get_target", "on_target_change", "set_target"]
+__all__ = [
+    "ENGINES", "TARGETS", "Cost", "DeviceTimeline", "Estimate", "Target", "TensorSig",
+    "TimelineEntry", "UnsupportedDtypeError", "add_listener", "all_timelines", "collective_cost",
+    "copy_cost", "estimate", "get_target", "get_timeline", "instruction_cost", "launch_cost",
+    "on_target_change", "op_cost", "remove_listener", "set_target",
+]

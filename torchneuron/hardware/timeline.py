@@ -1,0 +1,201 @@
+"""The device timeline: modeled time on each logical device, one clock per stream.
+
+This module owns `DeviceTimeline` (one per device index), the registry of timelines, and the
+listener API through which the profiler and `estimate()` observe every piece of work charged
+to any timeline.
+
+Semantics:
+- Each stream is an in-order queue with its own clock in seconds of device time. Work
+  enqueued on a stream starts at that stream's clock and advances it by the work's modeled
+  duration. Streams do not contend with each other (assumption: independent queues; the
+  model charges each kernel as if it had the engines to itself).
+- An event records a stream's clock; waiting on it joins a stream's clock to it
+  (clock = max(clock, t)); synchronize joins every stream to the latest clock.
+- A stream first used after a synchronize starts at the synchronized time, not at zero.
+- Only modeled device time lives here. Host wall time is never mixed in.
+- `recording_enabled()` reads TORCHNEURON_TIMELINE (0 disables recording); callers on hot
+  paths check it once and skip enqueue entirely when off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .model import Cost
+
+__all__ = [
+    "DeviceTimeline",
+    "TimelineEntry",
+    "get_timeline",
+    "all_timelines",
+    "reset_all",
+    "add_listener",
+    "remove_listener",
+    "recording_enabled",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEntry:
+    """One unit of work as charged to a timeline: device index, stream id, a name (usually
+    the aten op, "copy_h2d", a kernel name...), start and end in seconds of device time, the
+    Cost, and free-form metadata from the caller."""
+
+    device: int
+    stream: int
+    name: str
+    start_s: float
+    end_s: float
+    cost: Cost
+    meta: dict[str, Any] | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+Listener = Callable[[TimelineEntry], None]
+
+# Listeners of all timelines. Replaced (never mutated) on add/remove, so enqueue can read it
+# without a lock and an empty tuple costs one truth test.
+_listeners: tuple[Listener, ...] = ()
+_listeners_lock = threading.Lock()
+
+
+def add_listener(fn: Listener) -> None:
+    """Call `fn(entry)` for every entry enqueued on any timeline from now on."""
+    global _listeners
+    with _listeners_lock:
+        _listeners = _listeners + (fn,)
+
+
+def remove_listener(fn: Listener) -> None:
+    """Stop calling `fn`; unknown listeners are ignored."""
+    global _listeners
+    with _listeners_lock:
+        listeners = list(_listeners)
+        if fn in listeners:
+            listeners.remove(fn)
+        _listeners = tuple(listeners)
+
+
+def recording_enabled() -> bool:
+    """False when TORCHNEURON_TIMELINE is "0" (or "false"/"off"): charge nothing."""
+    return os.environ.get("TORCHNEURON_TIMELINE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class DeviceTimeline:
+    """Stream clocks and engine busy times of one logical device."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._lock = threading.Lock()
+        self._clocks: dict[int, float] = {}
+        self._floor = 0.0                 # the last synchronize: where new streams start
+        self._engine_busy: dict[str, float] = {}
+        self._entries = 0
+
+    # ---- charging work ---------------------------------------------------------------------
+    def enqueue(self, stream_id: int, cost: Cost, name: str, meta: dict | None = None) -> tuple[float, float]:
+        """Charge `cost` to stream `stream_id`; returns (start, end) in device seconds."""
+        duration = cost.duration_s
+        with self._lock:
+            start = self._clocks.get(stream_id, self._floor)
+            end = start + duration
+            self._clocks[stream_id] = end
+            engine = cost.engine
+            self._engine_busy[engine] = self._engine_busy.get(engine, 0.0) + duration
+            self._entries += 1
+        if _listeners:
+            entry = TimelineEntry(self.device, stream_id, name, start, end, cost, meta)
+            for fn in _listeners:
+                fn(entry)
+        return start, end
+
+    # ---- clocks, events, joins -----------------------------------------------------------
+    def now(self, stream_id: int) -> float:
+        """The stream's clock: when its last enqueued work ends."""
+        with self._lock:
+            return self._clocks.get(stream_id, self._floor)
+
+    def record_event(self, stream_id: int) -> float:
+        """An event recorded on the stream completes at the stream's current clock."""
+        return self.now(stream_id)
+
+    def wait_until(self, stream_id: int, t: float) -> float:
+        """Later work on the stream starts no earlier than `t`; returns the new clock."""
+        with self._lock:
+            clock = max(self._clocks.get(stream_id, self._floor), t)
+            self._clocks[stream_id] = clock
+            return clock
+
+    def wait_stream(self, waiter_id: int, waitee_id: int) -> float:
+        """The waiter's later work starts after everything enqueued so far on the waitee."""
+        return self.wait_until(waiter_id, self.now(waitee_id))
+
+    def synchronize(self) -> float:
+        """Join all streams: every clock becomes the latest one, which is returned."""
+        with self._lock:
+            latest = max(self._clocks.values(), default=self._floor)
+            latest = max(latest, self._floor)
+            for stream_id in self._clocks:
+                self._clocks[stream_id] = latest
+            self._floor = latest
+            return latest
+
+    # ---- statistics --------------------------------------------------------------------------
+    def engine_busy_s(self) -> dict[str, float]:
+        """Seconds of work charged to each engine since the last reset."""
+        with self._lock:
+            return dict(self._engine_busy)
+
+    @property
+    def entries(self) -> int:
+        """Number of items enqueued since the last reset."""
+        return self._entries
+
+    def streams(self) -> dict[int, float]:
+        """Clock of every stream used since the last reset."""
+        with self._lock:
+            return dict(self._clocks)
+
+    def reset(self) -> None:
+        """Back to time zero: forget streams, clocks and busy times."""
+        with self._lock:
+            self._clocks.clear()
+            self._engine_busy.clear()
+            self._floor = 0.0
+            self._entries = 0
+
+    def __repr__(self) -> str:
+        return f"DeviceTimeline(device={self.device}, streams={self.streams()})"
+
+
+_timelines: dict[int, DeviceTimeline] = {}
+_registry_lock = threading.Lock()
+
+
+def get_timeline(device_index: int) -> DeviceTimeline:
+    """The timeline of logical device `device_index` (created on first use)."""
+    timeline = _timelines.get(device_index)
+    if timeline is None:
+        if device_index < 0:
+            raise ValueError(f"device index must be >= 0, got {device_index}")
+        with _registry_lock:
+            timeline = _timelines.setdefault(device_index, DeviceTimeline(device_index))
+    return timeline
+
+
+def all_timelines() -> list[DeviceTimeline]:
+    """Every timeline created so far, by device index."""
+    with _registry_lock:
+        return [_timelines[index] for index in sorted(_timelines)]
+
+
+def reset_all() -> None:
+    """Reset every timeline to time zero."""
+    for timeline in all_timelines():
+        timeline.reset()
