@@ -15,6 +15,13 @@ from torchneuron.runtime.extension import load_runtime_library, ops
 _registered = False
 
 
+def charge(name: str, cost, device: int | None = None, stream: int | None = None, meta: dict | None = None):
+    """Charges a unit of device work (a hardware.model Cost) to the device timeline; see worklog.charge."""
+    from torchneuron.runtime.worklog import charge as _charge
+
+    return _charge(name, cost, device, stream, meta)
+
+
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
     """A zero-copy CPU tensor over a neuron tensor's bytes (keeps the device memory alive)."""
     with torch.no_grad():

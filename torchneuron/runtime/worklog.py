@@ -137,6 +137,19 @@ def _cache_key(raw: np.void) -> bytes:
     return b[0:8] + b[16:28] + b[48:]
 
 
+def charge(name: str, cost: Any, device: int | None = None, stream: int | None = None,
+           meta: dict | None = None) -> tuple[float, float]:
+    """Charges work done outside the aten fallback (an NKI kernel, a fused kernel, a collective) to
+    the device timeline, in order after everything already logged. Returns its (start, end) in
+    modeled seconds. `device`/`stream` default to the current device and its current stream."""
+    from torchneuron.hardware import timeline as device_timeline
+
+    drain()
+    index = int(ops().current_device()) if device is None else int(device)
+    stream_id = int(ops().current_stream_id(index)) if stream is None else int(stream)
+    return device_timeline.get_timeline(index).enqueue(stream_id, cost, name, meta)
+
+
 def event_elapsed_ms(start: int, end: int) -> float:
     drain()
     a, b = _event_times.get(start), _event_times.get(end)

@@ -1,0 +1,36 @@
+# The two entry points of the README: `make demo` (train a small model on neuron) and `make test`.
+# Both install everything from scratch into .venv first (torch==2.13.0, then the package with its
+# C++ runtime built against that torch, without build isolation).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CSRC := $(wildcard torchneuron/runtime/csrc/*.cpp torchneuron/runtime/csrc/*.h)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(VENV)/.installed torchneuron/runtime/_C.so
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+torchneuron/runtime/_C.so: $(CSRC) $(VENV)/.installed
+	$(PY) setup.py -q build_ext --inplace
+
+demo: install
+	$(VENV)/bin/torchneuron demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not multiprocess" $(PYTEST_ARGS)
+
+bench: install
+	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build torchneuron/runtime/_C.so *.egg-info
