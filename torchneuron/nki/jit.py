@@ -1,0 +1,318 @@
+"""Kernel entry points: `nki.jit`, SPMD grids, `simulate_kernel`, `baremetal`, `benchmark`,
+`profile`.
+
+Owns the life of one kernel call: wrap the caller's arrays as HBM tensors (zero-copy for
+reads, staged on first write), run the kernel body once per SPMD instance inside a `Run`,
+turn failures into errors that carry the kernel's file and line, commit staged outputs
+only on success, and return results in the caller's array type. Modeled latency and
+per-engine utilisation of the last call are kept on the kernel (`kernel.last_stats`).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..hardware.targets import TARGETS, Target, get_target
+from . import dtypes as _dt
+from .errors import DTypeError, KernelError, NKIError, traceback_location
+from .scheduler import Scheduler
+from .simulator import Run, set_current, active
+from .tile import Buffer, Tile
+from .typing import TensorType
+
+
+@dataclass
+class KernelStats:
+    """What one simulated kernel call cost on the modeled NeuronCore."""
+
+    target: str
+    latency_s: float
+    instructions: int
+    engine_busy_s: dict = field(default_factory=dict)
+    engine_instructions: dict = field(default_factory=dict)
+    sbuf_peak_bytes: int = 0
+    psum_peak_bytes: int = 0
+    trace: list = field(default_factory=list)
+
+    @property
+    def latency_us(self) -> float:
+        return self.latency_s * 1e6
+
+    @property
+    def utilisation(self) -> dict:
+        span = self.latency_s or 1.0
+        return {e: b / span for e, b in self.engine_busy_s.items()}
+
+
+def _target(platform_target: str | None) -> Target:
+    if platform_target:
+        name = str(platform_target).lower().replace("gen2", "trn1").replace("gen3", "trn2")
+        if name in TARGETS:
+            return TARGETS[name]
+    return get_target()
+
+
+class Kernel:
+    """A `@nki.jit` kernel. Call it with torch tensors, numpy arrays, neuron tensors or
+    `nt.tensor` placeholders; index it with a launch grid for SPMD: `kernel[2, 4](a, b)`."""
+
+    def __init__(self, fn: Callable, *, grid: tuple = (), platform_target: str | None = None,
+                 **options: Any):
+        self.fn = fn
+        self.grid = grid
+        self.platform_target = platform_target
+        self.options = options
+        self.last_stats: KernelStats | None = None
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, grid: Any) -> "Kernel":
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        k = Kernel(self.fn, grid=grid, platform_target=self.platform_target, **self.options)
+        k._parent = self
+        return k
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if active() is not None:  # a kernel calling a kernel: plain function call
+            return self.fn(*args, **kwargs)
+        from . import bridge
+        if bridge.has_neuron_tensors(args, kwargs):
+            return bridge.call_on_device(self, args, kwargs)
+        out, stats = self.run(args, kwargs)
+        return out
+
+    # ------------------------------------------------------------------------------------
+    def run(self, args: tuple, kwargs: dict, *, trace: bool = False,
+            target: Target | None = None) -> tuple[Any, KernelStats]:
+        """Simulate one call; returns (outputs in the caller's array type, KernelStats)."""
+        timing_only = any(isinstance(a, TensorType) for a in itertools.chain(args, kwargs.values()))
+        run = Run(target or _target(self.platform_target), compute=not timing_only, trace=trace)
+        want_numpy = any(isinstance(a, np.ndarray) for a in itertools.chain(args, kwargs.values()))
+        kargs = [self._wrap(run, a) for a in args]
+        kkw = {k: self._wrap(run, v) for k, v in kwargs.items()}
+        grid = tuple(int(g) for g in self.grid) or (1,)
+        ncores = 1
+        for g in self.grid:
+            if hasattr(g, "n") and not isinstance(g, int):
+                ncores = max(ncores, g.n)
+        scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(ncores - 1)]
+        set_current(run)
+        result = None
+        try:
+            run.grid = grid if self.grid else ()
+            for idx, pid in enumerate(itertools.product(*[range(g) for g in grid])):
+                run.flush()
+                run.sched = scheds[idx % ncores] if ncores > 1 else scheds[0]
+                run.program_id = pid if self.grid else (0,)
+                run.shared_count = 0
+                result = self.fn(*kargs, **kkw)
+            run.flush()
+        except NKIError:
+            raise
+        except Exception as e:  # the kernel's own code failed: name its line
+            raise KernelError(f"kernel {self.fn.__name__} raised {type(e).__name__}: {e}",
+                              location=traceback_location(e.__traceback__)) from e
+        finally:
+            set_current(None)
+        latency = max(s.makespan for s in scheds)
+        busy: dict = {}
+        counts: dict = {}
+        for s in scheds:
+            for k, v in s.busy.items():
+                busy[k] = busy.get(k, 0.0) + v / len(scheds)
+            for k, v in s.counts.items():
+                counts[k] = counts.get(k, 0) + v
+        stats = KernelStats(run.target.name, latency, run.instructions, busy, counts,
+                            run.sbuf.peak, run.psum.peak,
+                            [r for s in scheds for r in s.trace])
+        self.last_stats = stats
+        parent = getattr(self, "_parent", None)
+        if parent is not None:
+            parent.last_stats = stats
+        # commit staged writes to the caller's tensors only now that the kernel succeeded
+        if run.compute:
+            for buf in run.inputs:
+                if buf.staged:
+                    buf.orig.copy_(buf.data.view(buf.orig.shape) if buf.orig.is_contiguous()
+                                   else buf.data)
+        return self._unwrap(result, want_numpy, run), stats
+
+    # ------------------------------------------------------------------------------------
+    def _wrap(self, run: Run, a: Any) -> Any:
+        if isinstance(a, TensorType):
+            return Tile.whole(Buffer("hbm", a.shape, _dt.to_torch(a.dtype), None, 0, "input"))
+        if isinstance(a, np.ndarray):
+            name = a.dtype.name
+            if name in ("bfloat16", "float8_e4m3fn", "float8_e4m3", "float8_e5m2"):  # ml_dtypes
+                raw = torch.from_numpy(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8))
+                t = raw.view(_dt.to_torch("float8_e4m3fn" if name == "float8_e4m3" else name))
+            else:
+                t = torch.from_numpy(a)
+            return self._wrap_tensor(run, t)
+        if isinstance(a, torch.Tensor):
+            return self._wrap_tensor(run, a)
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, (np.ndarray, torch.Tensor)) for x in a):
+            return type(a)(self._wrap(run, x) for x in a)
+        return a
+
+    def _wrap_tensor(self, run: Run, t: torch.Tensor) -> Tile:
+        if t.device.type != "cpu":
+            raise NKIError(f"kernel inputs must be CPU, numpy or neuron tensors, got {t.device}",
+                           rule="inputs")
+        if t.dtype == torch.float64:
+            raise DTypeError("float64 input: float64 is not a hardware type on Trainium; "
+                             "cast to float32 (or bfloat16) before calling the kernel")
+        t = t.detach()
+        data = t if t.is_contiguous() else t.contiguous()
+        buf = Buffer("hbm", tuple(t.shape), t.dtype, data, 0, "input", orig=t)
+        if data is not t:
+            buf.staged = True  # already a private copy
+        run.inputs.append(buf)
+        return Tile.whole(buf)
+
+    def _unwrap(self, result: Any, want_numpy: bool, run: Run) -> Any:
+        if isinstance(result, Tile):
+            if not run.compute:
+                return None
+            t = result.torch()
+            if result.buf.orig is not None and result.is_whole:
+                t = result.buf.orig
+            elif not result.is_whole:
+                t = t.clone()
+            if want_numpy:
+                nd = _dt.numpy_dtype(t.dtype)
+                if nd is None:
+                    return t
+                if t.dtype == torch.bfloat16 or "float8" in str(t.dtype):
+                    return t.view(torch.uint8 if t.dtype.itemsize == 1 else torch.int16).numpy().view(nd)
+                return t.numpy()
+            return t
+        if isinstance(result, (list, tuple)):
+            return type(result)(self._unwrap(r, want_numpy, run) for r in result)
+        if isinstance(result, dict):
+            return {k: self._unwrap(v, want_numpy, run) for k, v in result.items()}
+        return result
+
+
+def jit(fn: Callable | None = None, *, mode: str = "auto", platform_target: str | None = None,
+        **options: Any) -> Any:
+    """Decorator: `@nki.jit` or `@nki.jit(platform_target="trn2", ...)`."""
+    if fn is None:
+        return lambda f: jit(f, mode=mode, platform_target=platform_target, **options)
+    if isinstance(fn, Kernel):
+        return fn
+    return Kernel(fn, platform_target=platform_target, **options)
+
+
+def _as_kernel(kernel: Any) -> Kernel:
+    return kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+
+def simulate_kernel(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a kernel on host arrays and return its outputs (NKI's CPU simulation entry point)."""
+    out, _ = _as_kernel(kernel).run(args, kwargs)
+    return out
+
+
+def simulate(kernel: Any = None, **options: Any) -> Any:
+    """`nki.simulate(kernel)(*args)` / `nki.simulate(kernel, *args)` forms."""
+    k = _as_kernel(kernel)
+    return lambda *a, **kw: simulate_kernel(k, *a, **kw)
+
+
+def baremetal(kernel: Any = None, **options: Any) -> Any:
+    """Run on the (software) NeuronCore directly with host arrays; decorator or wrapper."""
+    if kernel is None:
+        return lambda f: baremetal(f, **options)
+    return _as_kernel(kernel) if not isinstance(kernel, Kernel) else kernel
+
+
+class LatencyResult:
+    """Modeled latencies of the benchmark iterations, in microseconds (as NKI reports)."""
+
+    def __init__(self, samples_us: list[float]):
+        self.samples_us = samples_us
+
+    def get_latency_percentile(self, percentile: float) -> float:
+        return float(np.percentile(np.asarray(self.samples_us), percentile))
+
+    def __repr__(self) -> str:
+        return f"LatencyResult(p50={self.get_latency_percentile(50):.3f} us)"
+
+
+@dataclass
+class BenchmarkResult:
+    nc_latency: LatencyResult
+    stats: KernelStats
+    host_wall_s: float
+
+
+class BenchmarkKernel:
+    """`nki.benchmark(...)(kernel)`: calling it simulates the kernel (timing only when given
+    placeholders) and fills `benchmark_result.nc_latency` with the modeled latency."""
+
+    def __init__(self, kernel: Kernel, warmup: int = 2, iters: int = 10, **options: Any):
+        self.kernel, self.warmup, self.iters, self.options = kernel, warmup, iters, options
+        self.benchmark_result: BenchmarkResult | None = None
+        functools.update_wrapper(self, kernel.fn)
+
+    def __getitem__(self, grid: Any) -> "BenchmarkKernel":
+        return BenchmarkKernel(self.kernel[grid], self.warmup, self.iters, **self.options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out, stats = self.kernel.run(args, kwargs)
+        wall = time.perf_counter() - t0
+        # The model is deterministic: every iteration has the same modeled latency.
+        samples = [stats.latency_us] * max(1, int(self.iters))
+        self.benchmark_result = BenchmarkResult(LatencyResult(samples), stats, wall)
+        return out
+
+
+def benchmark(kernel: Any = None, *, warmup: int = 2, iters: int = 10, **options: Any) -> Any:
+    """`nki.benchmark(warmup=5, iters=10)(kernel)` or `nki.benchmark(kernel, ...)`."""
+    if kernel is None:
+        return lambda k: BenchmarkKernel(_as_kernel(k), warmup, iters, **options)
+    return BenchmarkKernel(_as_kernel(kernel), warmup, iters, **options)
+
+
+class ProfileKernel:
+    """`nki.profile(working_directory=...)(kernel)`: runs the kernel with an instruction
+    trace and writes it as a Chrome trace (`<save_trace_name>.json`) plus a summary."""
+
+    def __init__(self, kernel: Kernel, working_directory: str = ".", save_trace_name: str = "profile.ntff",
+                 **options: Any):
+        self.kernel, self.dir, self.name = kernel, working_directory, save_trace_name
+        self.stats: KernelStats | None = None
+
+    def __getitem__(self, grid: Any) -> "ProfileKernel":
+        return ProfileKernel(self.kernel[grid], self.dir, self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out, stats = self.kernel.run(args, kwargs, trace=True)
+        self.stats = stats
+        os.makedirs(self.dir, exist_ok=True)
+        events = [{"name": r.kind, "ph": "X", "pid": 0, "tid": r.engine, "ts": r.start * 1e6,
+                   "dur": (r.end - r.start) * 1e6, "args": {"where": r.where}} for r in stats.trace]
+        base = os.path.join(self.dir, os.path.splitext(self.name)[0])
+        with open(base + ".json", "w") as f:
+            json.dump({"traceEvents": events}, f)
+        with open(base + "_summary.json", "w") as f:
+            json.dump({"target": stats.target, "latency_us": stats.latency_us,
+                       "instructions": stats.instructions, "engine_busy_us":
+                       {k: v * 1e6 for k, v in stats.engine_busy_s.items()},
+                       "utilisation": stats.utilisation}, f, indent=1)
+        return out
+
+
+def profile(kernel: Any = None, **options: Any) -> Any:
+    if kernel is None:
+        return lambda k: ProfileKernel(_as_kernel(k), **options)
+    return ProfileKernel(_as_kernel(kernel), **options)

@@ -1,0 +1,170 @@
+"""List scheduler over the NeuronCore engines.
+
+Owns the modeled timeline of one kernel run. Resources are the compute engines (tensor,
+vector, scalar, gpsimd) and the core's DMA subsystem. An instruction becomes ready when
+every instruction it depends on has completed: read-after-write, write-after-read and
+write-after-write on overlapping buffer regions (bounding boxes per buffer). It is then
+placed at the earliest time its resource is free for its busy time, filling earlier idle
+gaps when it fits (the compiler's list scheduling reorders independent instructions; the
+engines themselves run in parallel). Its results are available `latency` after it starts
+(latency >= busy; larger for DMA, whose fixed latency overlaps other transfers).
+
+The scheduler is online: each instruction is placed as it is issued.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+
+def _overlap(a: tuple | None, b: tuple | None) -> bool:
+    if a is None or b is None:
+        return True
+    for (alo, ahi), (blo, bhi) in zip(a, b):
+        if alo > bhi or blo > ahi:
+            return False
+    return True
+
+
+def _covers(a: tuple | None, b: tuple | None) -> bool:
+    if a is None:
+        return True
+    if b is None:
+        return False
+    for (alo, ahi), (blo, bhi) in zip(a, b):
+        if alo > blo or ahi < bhi:
+            return False
+    return True
+
+
+class Timeline:
+    """Busy intervals of one resource, merged and sorted; places work in the first gap."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def place(self, ready: float, busy: float) -> float:
+        starts, ends = self.starts, self.ends
+        i = bisect_right(ends, ready)  # first interval ending after `ready`
+        t = ready
+        n = len(starts)
+        while i < n and starts[i] < t + busy:
+            if ends[i] > t:
+                t = ends[i]
+            i += 1
+        # occupy [t, t + busy): insert at i, merging with neighbours that touch
+        e = t + busy
+        if i > 0 and ends[i - 1] >= t:
+            i -= 1
+            ends[i] = max(ends[i], e)
+            if i + 1 < len(starts) and starts[i + 1] <= ends[i]:
+                ends[i] = max(ends[i], ends[i + 1])
+                del starts[i + 1], ends[i + 1]
+        elif i < n and starts[i] <= e:
+            starts[i] = t
+        else:
+            starts.insert(i, t)
+            ends.insert(i, e)
+        return t
+
+    @property
+    def end(self) -> float:
+        return self.ends[-1] if self.ends else 0.0
+
+
+class _Accesses:
+    __slots__ = ("writes", "reads")
+
+    def __init__(self):
+        self.writes: list = []   # [(box, completion)]
+        self.reads: dict = {}    # box -> latest completion
+
+
+@dataclass
+class Record:
+    """One scheduled instruction, kept for profiles."""
+
+    kind: str
+    engine: str
+    start: float
+    end: float
+    where: str = ""
+
+
+@dataclass
+class Scheduler:
+    keep_trace: bool = False
+    busy: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    trace: list = field(default_factory=list)
+    makespan: float = 0.0
+    floor: float = 0.0  # nothing starts before this (kernel start on this core)
+    _timelines: dict = field(default_factory=dict)
+    _acc: dict = field(default_factory=dict)
+
+    def issue(self, kind: str, engine: str, busy: float, latency: float, reads, writes,
+              where: str = "") -> float:
+        """Place one instruction; `reads`/`writes` are lists of (buffer_id, box or None).
+        Returns its completion time."""
+        acc = self._acc
+        ready = self.floor
+        for key, box in reads:
+            a = acc.get(key)
+            if a is not None:
+                for wbox, end in a.writes:
+                    if end > ready and _overlap(box, wbox):
+                        ready = end
+        for key, box in writes:
+            a = acc.get(key)
+            if a is not None:
+                for wbox, end in a.writes:
+                    if end > ready and _overlap(box, wbox):
+                        ready = end
+                for rbox, end in a.reads.items():
+                    if end > ready and _overlap(box, rbox):
+                        ready = end
+        tl = self._timelines.get(engine)
+        if tl is None:
+            tl = self._timelines[engine] = Timeline()
+        start = tl.place(ready, busy)
+        end = start + max(latency, busy)
+        self.busy[engine] = self.busy.get(engine, 0.0) + busy
+        self.counts[engine] = self.counts.get(engine, 0) + 1
+        if end > self.makespan:
+            self.makespan = end
+        for key, box in reads:
+            a = acc.get(key)
+            if a is None:
+                a = acc[key] = _Accesses()
+            if a.reads.get(box, -1.0) < end:
+                a.reads[box] = end
+        for key, box in writes:
+            a = acc.get(key)
+            if a is None:
+                a = acc[key] = _Accesses()
+            # records covered by this write are dominated by it (it waited for them)
+            if a.writes:
+                a.writes = [w for w in a.writes if not _covers(box, w[0])]
+            if a.reads:
+                for rbox in [r for r in a.reads if _covers(box, r)]:
+                    del a.reads[rbox]
+            a.writes.append((box, end))
+        if self.keep_trace:
+            self.trace.append(Record(kind, engine, start, end, where))
+        return end
+
+    def forget(self, key: int) -> None:
+        """A buffer died: its accesses can no longer constrain anything."""
+        self._acc.pop(key, None)
+
+    def barrier(self) -> None:
+        """Everything issued later starts after everything issued so far."""
+        self.floor = self.makespan
+
+    def utilisation(self) -> dict:
+        """Busy fraction of the kernel's latency per engine."""
+        span = self.makespan or 1.0
+        return {eng: b / span for eng, b in self.busy.items()}

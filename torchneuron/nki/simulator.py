@@ -1,0 +1,214 @@
+"""Execution state of one kernel run: allocation, capacity rules, instruction issue.
+
+Owns the `Run` context that `nl`/`nisa` calls act on while a kernel executes: the target,
+whether values are computed (or only shapes, for typed-placeholder benchmarks), SBUF and
+PSUM capacity accounting per partition, the SPMD program ids, the loop nesting
+(`affine_range` / `sequential_range`), and `issue()`, which prices one instruction with the
+hardware model (`torchneuron.hardware.instructions`) and hands it to the list scheduler.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from ..hardware.instructions import instruction_timing
+from ..hardware.targets import Target, get_target
+from .errors import CapacityError, NKIError, user_location
+from .scheduler import Scheduler
+from .tile import Buffer, Tile
+
+_local = threading.local()
+
+
+def current() -> "Run":
+    run = getattr(_local, "run", None)
+    if run is None:
+        raise NKIError("nki.language / nki.isa calls must run inside a kernel: decorate the "
+                       "function with @nki.jit (or call nki.simulate_kernel)", rule="no-kernel")
+    return run
+
+
+def active() -> "Run | None":
+    return getattr(_local, "run", None)
+
+
+class Pool:
+    """Bytes per partition in use in one on-chip memory, with its capacity rule."""
+
+    __slots__ = ("name", "capacity", "used", "peak", "rule", "hint")
+
+    def __init__(self, name: str, capacity: int, rule: str, hint: str):
+        self.name, self.capacity, self.rule, self.hint = name, capacity, rule, hint
+        self.used = 0
+        self.peak = 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        if self.used + nbytes > self.capacity:
+            raise CapacityError(
+                f"{what} needs {nbytes} B per partition but only {self.capacity - self.used} B of "
+                f"{self.name}'s {self.capacity} B per partition are free; {self.hint}", rule=self.rule)
+        self.used += nbytes
+        if self.used > self.peak:
+            self.peak = self.used
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+class Run:
+    """State of one kernel execution (one SPMD instance shares it with its siblings)."""
+
+    def __init__(self, target: Target | None = None, *, compute: bool = True, trace: bool = False):
+        self.target = target or get_target()
+        t = self.target
+        self.compute = compute
+        self.sched = Scheduler(keep_trace=trace)
+        self.trace = trace
+        self.sbuf = Pool("SBUF", t.sbuf_usable_bytes_per_partition, "sbuf-capacity",
+                         "free tiles (let them go out of scope) or use smaller tiles")
+        self.psum = Pool("PSUM", t.psum_banks * t.psum_bank_bytes, "psum-capacity",
+                         f"PSUM has {t.psum_banks} banks of {t.psum_bank_bytes} B a partition; "
+                         "copy results to SBUF and reuse PSUM tiles")
+        self.program_id: tuple = ()
+        self.grid: tuple = ()
+        self.shared: dict = {}      # n-th shared_hbm allocation -> Buffer (shared by SPMD instances)
+        self.shared_count = 0
+        self.seq_depth = 0          # > 0 inside sequential_range
+        self.seq_sites: dict = {}   # allocation site -> physical id reused across iterations
+        self.seq_iter_counts: dict = {}
+        self.pending = None         # last value-returning instruction, not yet scheduled
+        self.pending_ranges: list = []  # mask narrowing of the pending instruction
+        self.cost_cache: dict = {}
+        self.instructions = 0
+        self.inputs: list[Buffer] = []
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self, kind: str, shape: tuple, tdtype: torch.dtype, pdim: int = 0,
+                 fill: float | None = None, name: str = "") -> Buffer:
+        if kind in ("sbuf", "psum"):
+            p = shape[pdim] if shape else 1
+            if p > self.target.partitions:
+                from .errors import PartitionDimError
+                raise PartitionDimError(f"{kind} tensor of shape {shape} has partition dimension {p}; "
+                                        f"the hardware has {self.target.partitions} partitions (pmax)")
+            free = tdtype.itemsize
+            for i, s in enumerate(shape):
+                if i != pdim:
+                    free *= s
+            pool = self.sbuf if kind == "sbuf" else self.psum
+            if kind == "psum":
+                bank = self.target.psum_bank_bytes
+                blocks = 1
+                for i in range(pdim):
+                    blocks *= shape[i]
+                per_block = free // max(blocks, 1)
+                if per_block > bank:
+                    raise CapacityError(
+                        f"PSUM tile of shape {shape} ({tdtype}) needs {per_block} B a partition; a PSUM "
+                        f"tile must fit one {bank} B bank ({bank // 4} fp32, nl.tile_size.psum_fmax)",
+                        rule="psum-capacity")
+                free = blocks * bank
+            pool.charge(free, f"{kind} tensor of shape {shape} ({tdtype})")
+        data = None
+        if self.compute:
+            if fill is None and kind != "psum":
+                data = torch.empty(shape, dtype=tdtype)
+            else:
+                data = torch.full(shape, fill or 0, dtype=tdtype)
+        buf = Buffer(kind, shape, tdtype, data, pdim, name)
+        if kind in ("sbuf", "psum"):
+            buf.charge = free
+            buf.pool = pool
+        if self.seq_depth:
+            self._reuse_physical(buf)
+        return buf
+
+    def _reuse_physical(self, buf: Buffer) -> None:
+        # Inside sequential_range the compiler reuses one allocation per site across
+        # iterations, so an iteration's writes wait for the previous iteration's reads.
+        f = sys._getframe(2)
+        while f is not None and f.f_code.co_filename.startswith(_PKG):
+            f = f.f_back
+        site = (id(f.f_code) if f else 0, f.f_lineno if f else 0)
+        n = self.seq_iter_counts.get(site, 0)
+        self.seq_iter_counts[site] = n + 1
+        key = site + (n,)
+        phys = self.seq_sites.get(key)
+        if phys is None:
+            self.seq_sites[key] = buf.id
+        else:
+            buf.id = phys
+
+    def new_iteration(self) -> None:
+        self.seq_iter_counts.clear()
+
+    # -- instructions -----------------------------------------------------------------------
+    def timing(self, kind: str, engine: str = "", **kw) -> tuple:
+        key = (kind, engine) + tuple(sorted(kw.items()))
+        t = self.cost_cache.get(key)
+        if t is None:
+            dtype = kw.pop("dtype")
+            try:
+                tm = instruction_timing(kind, dtype=dtype, target=self.target, engine=engine, **kw)
+            except TypeError as e:  # UnsupportedDtypeError is a TypeError
+                from .errors import DTypeError
+                raise DTypeError(str(e)) from None
+            except ValueError as e:
+                from .errors import ShapeError
+                raise ShapeError(str(e)) from None
+            t = self.cost_cache[key] = (tm.engine, tm.busy_s, tm.latency_s)
+        return t
+
+    def issue(self, kind: str, reads: list[Tile], writes: list[Tile], engine: str = "",
+              **cost: Any) -> None:
+        """Charge one instruction to its engine and schedule it after its dependencies."""
+        if self.pending is not None:
+            self.flush()
+        eng, busy, lat = self.timing(kind, engine, **cost)
+        self.instructions += 1
+        self.sched.issue(kind, eng, busy, lat,
+                         [_region(t) for t in reads], [_region(t) for t in writes],
+                         user_location() if self.trace else "")
+
+    def issue_value(self, kind: str, reads: list[Tile], out: Tile, engine: str = "", **cost: Any) -> None:
+        """Like issue(), for an instruction whose result is a fresh tile: scheduling waits one
+        step so that `dst[...] = value` can retarget the write instead of adding a copy."""
+        if self.pending is not None:
+            self.flush()
+        self.pending = (kind, reads, out, engine, cost)
+
+    def retarget(self, value: Tile, dst: Tile, accumulate: bool = False) -> bool:
+        """If `value` is the pending instruction's result, make that instruction write `dst`."""
+        p = self.pending
+        if p is None or p[2].buf is not value.buf:
+            return False
+        kind, reads, _, engine, cost = p
+        if accumulate:
+            reads = list(reads) + [dst]
+        self.pending = (kind, reads, dst, engine, cost)
+        return True
+
+    def flush(self) -> None:
+        p = self.pending
+        if p is None:
+            return
+        self.pending = None
+        kind, reads, out, engine, cost = p
+        self.issue(kind, reads, [out], engine, **cost)
+
+
+_PKG = __file__.rsplit("/", 1)[0]
+
+
+def _region(t: Tile) -> tuple:
+    buf = t.buf
+    if buf.coarse or t.is_whole:
+        return (buf.id, None)
+    return (buf.id, t.region())
+
+
+def set_current(run: "Run | None") -> None:
+    _local.run = run

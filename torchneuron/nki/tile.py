@@ -1,0 +1,550 @@
+"""Tiles, buffers and indexing: the memory side of the simulator.
+
+Owns
+- index expressions: `nl.arange`, `nl.mgrid`, affine arithmetic on them, and the predicates
+  (`i < n`, `&`) used as masks and by `affine_select`;
+- `Buffer`: one allocation in HBM, SBUF or PSUM, its host storage (a torch tensor, or none
+  in timing-only runs), its partition dimension and its capacity charge;
+- `Tile`: an affine view of a buffer, which is what kernels hold. A view maps each of its
+  dimensions to buffer dimensions with integer coefficients, so slices, `nl.ds`, arange
+  expressions, transposed and strided access patterns and broadcasts are all one type.
+  Views are bounds-checked lazily, when an instruction uses them (after masks narrow them),
+  and materialise as a zero-copy `as_strided` of the buffer.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from . import dtypes as _dt
+from .errors import NKIError, OutOfBoundsError, PartitionDimError
+
+HBM_KINDS = frozenset({"hbm", "shared_hbm", "private_hbm"})
+ON_CHIP = frozenset({"sbuf", "psum"})
+_ids = itertools.count(1)
+
+
+# --------------------------------------------------------------------------- index expressions
+class IndexExpr:
+    """An affine expression `sum(coef * var) + const` over arange variables."""
+
+    __slots__ = ("terms", "const")
+
+    def __init__(self, terms: tuple, const: int):
+        self.terms = terms  # ((IndexVar, coef), ...)
+        self.const = const
+
+    @staticmethod
+    def of(x: Any) -> "IndexExpr":
+        if isinstance(x, IndexExpr):
+            return x
+        if isinstance(x, (int,)) or hasattr(x, "__index__"):
+            return IndexExpr((), int(x))
+        raise NKIError(f"cannot use {type(x).__name__} in an index expression", rule="index")
+
+    def _combine(self, other: Any, sign: int) -> "IndexExpr":
+        o = IndexExpr.of(other)
+        acc: dict = {}
+        for v, c in self.terms:
+            acc[v] = acc.get(v, 0) + c
+        for v, c in o.terms:
+            acc[v] = acc.get(v, 0) + sign * c
+        return IndexExpr(tuple((v, c) for v, c in acc.items() if c), self.const + sign * o.const)
+
+    def __add__(self, o): return self._combine(o, 1)
+    __radd__ = __add__
+    def __sub__(self, o): return self._combine(o, -1)
+    def __rsub__(self, o): return IndexExpr.of(o)._combine(self, -1)
+
+    def __mul__(self, k):
+        if isinstance(k, IndexExpr):
+            if k.terms:
+                raise NKIError("index expressions must be affine (no var * var)", rule="index")
+            k = k.const
+        k = int(k)
+        return IndexExpr(tuple((v, c * k) for v, c in self.terms if c * k), self.const * k)
+    __rmul__ = __mul__
+
+    def __neg__(self): return self * -1
+
+    def __floordiv__(self, k):
+        if self.terms:
+            raise NKIError("index expressions must be affine (no division of an arange)", rule="index")
+        return IndexExpr((), self.const // int(k))
+
+    # comparisons build predicates, normalised to `expr >= 0`
+    def __lt__(self, o): return Predicate(((IndexExpr.of(o) - self) - 1,))
+    def __le__(self, o): return Predicate((IndexExpr.of(o) - self,))
+    def __gt__(self, o): return Predicate(((self - o) - 1,))
+    def __ge__(self, o): return Predicate((self - o,))
+    __hash__ = object.__hash__
+
+    def variables(self) -> list["IndexVar"]:
+        return [v for v, _ in self.terms]
+
+    def evaluate(self, shape: Sequence[int]) -> torch.Tensor:
+        """Values of the expression over a grid of `shape` (vars at their positions)."""
+        out = torch.full([1] * len(shape), self.const, dtype=torch.int64)
+        for v, c in self.terms:
+            view = [1] * len(shape)
+            view[v.pos] = v.size
+            out = out + c * torch.arange(v.size, dtype=torch.int64).view(view)
+        return out
+
+
+class IndexVar(IndexExpr):
+    """One `nl.arange` axis: values 0..size-1 placed at axis `pos` of an `ndim`-d index grid."""
+
+    __slots__ = ("size", "pos", "ndim")
+
+    def __init__(self, size: int, pos: int = 0, ndim: int = 1):
+        self.size, self.pos, self.ndim = int(size), pos, ndim
+        IndexExpr.__init__(self, ((self, 1),), 0)
+
+    def __repr__(self):
+        return f"arange({self.size})@{self.pos}/{self.ndim}"
+
+
+class ArangeRoot(IndexExpr):
+    """`nl.arange(a, b)` before it is placed with `[:, None]`-style indexing."""
+
+    __slots__ = ("size", "start")
+
+    def __init__(self, start: int, stop: int):
+        self.size, self.start = stop - start, start
+        var = IndexVar(self.size, 0, 1)
+        IndexExpr.__init__(self, ((var, 1),), start)
+
+    def __getitem__(self, key) -> IndexExpr:
+        key = key if isinstance(key, tuple) else (key,)
+        slots = [i for i, k in enumerate(key) if k is not None]
+        if len(slots) != 1:
+            raise NKIError("arange indexing must place exactly one axis, e.g. [:, None]", rule="index")
+        var = IndexVar(self.size, slots[0], len(key))
+        return IndexExpr(((var, 1),), self.start) if self.start else var
+
+
+class Predicate:
+    """A conjunction of affine constraints `expr >= 0`, used as `mask=` and by affine_select."""
+
+    __slots__ = ("constraints",)
+
+    def __init__(self, constraints: tuple):
+        self.constraints = constraints
+
+    def __and__(self, other: "Predicate") -> "Predicate":
+        return Predicate(self.constraints + other.constraints)
+
+    def evaluate(self, shape: Sequence[int]) -> torch.Tensor:
+        out = torch.ones([1] * len(shape), dtype=torch.bool)
+        for c in self.constraints:
+            out = out & (c.evaluate(shape) >= 0)
+        return out.expand(*shape)
+
+
+class MGrid:
+    """`nl.mgrid[0:P, 0:F]`: a tuple-like of placed aranges with `.p`, `.x`, `.y`, `.z`."""
+
+    def __getitem__(self, key) -> "GridIndex":
+        key = key if isinstance(key, tuple) else (key,)
+        out = []
+        for i, s in enumerate(key):
+            start, stop = (s.start or 0), s.stop
+            var = IndexVar(stop - start, i, len(key))
+            e = IndexExpr(((var, s.step or 1),), start) if (start or (s.step or 1) != 1) else var
+            out.append(e)
+        return GridIndex(out)
+
+
+class GridIndex(tuple):
+    p = property(lambda self: self[0])
+    x = property(lambda self: self[1])
+    y = property(lambda self: self[2])
+    z = property(lambda self: self[3])
+
+
+class par_dim:  # noqa: N801 - NKI spelling
+    """Marks the partition dimension in a buffer shape: `(n, nl.par_dim(128), 512)`."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = int(size)
+
+    def __index__(self):
+        return self.size
+
+    def __int__(self):
+        return self.size
+
+    def __repr__(self):
+        return f"par_dim({self.size})"
+
+
+def ds(start: Any, size: int) -> slice:
+    """`nl.ds(start, size)`: a dynamic slice `start:start+size`."""
+    return slice(start, start + size)
+
+
+# --------------------------------------------------------------------------- buffers
+class Buffer:
+    """One allocation. `data` is the host storage (None in timing-only runs)."""
+
+    __slots__ = ("kind", "shape", "tdtype", "data", "pdim", "strides", "id", "version",
+                 "_f32", "_f32_version", "orig", "staged", "charge", "pool", "name", "__weakref__")
+
+    def __init__(self, kind: str, shape: tuple, tdtype: torch.dtype, data: torch.Tensor | None,
+                 pdim: int = 0, name: str = "", orig: torch.Tensor | None = None):
+        self.kind, self.shape, self.tdtype, self.data, self.pdim = kind, shape, tdtype, data, pdim
+        st, acc = [], 1
+        for n in reversed(shape):
+            st.append(acc)
+            acc *= n
+        self.strides = tuple(reversed(st))
+        self.id = next(_ids)
+        self.version = 0
+        self._f32 = None
+        self._f32_version = -1
+        self.orig = orig          # caller's tensor this HBM buffer wraps (copy-on-write)
+        self.staged = False
+        self.charge = None        # (pool, bytes) released when the buffer dies
+        self.pool = None
+        self.name = name
+
+    def __del__(self):
+        if self.charge is not None and self.pool is not None:
+            try:
+                self.pool.release(self.charge)
+            except Exception:  # interpreter shutdown
+                pass
+
+    coarse = False  # dependency tracking at whole-buffer granularity
+
+    def storage(self) -> torch.Tensor:
+        return self.data
+
+    def float32(self) -> torch.Tensor:
+        """fp32 copy of the storage, cached until the buffer is written again."""
+        if self.tdtype == torch.float32:
+            return self.data
+        if self._f32_version != self.version:
+            self._f32 = self.data.float()
+            self._f32_version = self.version
+        return self._f32
+
+    def prepare_write(self) -> None:
+        """Called before every write: stage caller-owned storage, invalidate caches."""
+        self.version += 1
+        if self.orig is not None and not self.staged and self.data is not None:
+            self.data = self.data.clone()
+            self.staged = True
+
+
+class AliasBuffer(Buffer):
+    """A reshaped view of another buffer (same memory, its own logical shape)."""
+
+    __slots__ = ("parent",)
+    coarse = True
+
+    def __init__(self, parent: Buffer, shape: tuple):
+        Buffer.__init__(self, parent.kind, shape, parent.tdtype, None, 0, parent.name)
+        self.parent = parent
+        self.id = parent.id
+
+    def storage(self) -> torch.Tensor:
+        d = self.parent.storage()
+        return None if d is None else d.view(self.shape)
+
+    def float32(self) -> torch.Tensor:
+        return self.parent.float32().view(self.shape)
+
+    def prepare_write(self) -> None:
+        self.parent.prepare_write()
+
+
+# --------------------------------------------------------------------------- tiles (views)
+class Tile:
+    """An affine view of a buffer; what NKI kernels call tensors and tiles."""
+
+    __slots__ = ("buf", "shape", "base", "maps", "_region", "__weakref__")
+    __array_priority__ = 1000  # numpy scalars defer to our operators
+
+    def __init__(self, buf: Buffer, shape: tuple, base: tuple, maps: tuple):
+        self.buf, self.shape, self.base, self.maps = buf, shape, base, maps
+        self._region = None
+
+    @staticmethod
+    def whole(buf: Buffer) -> "Tile":
+        return Tile(buf, buf.shape, (0,) * len(buf.shape), tuple(((d, 1),) for d in range(len(buf.shape))))
+
+    # -- metadata ---------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        return _dt.to_nki(self.buf.tdtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def buffer(self) -> str:
+        return self.buf.kind
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        return f"Tile({self.buf.kind}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __iter__(self):
+        raise TypeError("NKI tiles are not iterable; index them instead")
+
+    def __bool__(self):
+        raise NKIError("a tile's value is not known at trace time; NKI control flow cannot depend "
+                       "on tile contents", rule="control-flow")
+
+    @property
+    def is_whole(self) -> bool:
+        return self.shape == self.buf.shape and not any(self.base) and all(
+            m == ((d, 1),) for d, m in enumerate(self.maps))
+
+    # -- indexing ---------------------------------------------------------------------------
+    def __getitem__(self, key) -> "Tile":
+        return self._index(key)
+
+    def __setitem__(self, key, value) -> None:
+        dst = self._index(key)
+        if value is dst:
+            return
+        from . import language  # circular at import time only
+        language._assign(dst, value)
+
+    def _index(self, key) -> "Tile":
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = next(i for i, k in enumerate(key) if k is Ellipsis)
+            fill = len(self.shape) - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > len(self.shape):
+            raise OutOfBoundsError(f"too many indices ({len(key)}) for a tile of rank {len(self.shape)}")
+        if len(key) < len(self.shape):
+            key = key + (slice(None),) * (len(self.shape) - len(key))
+        has_expr = False
+        for k in key:
+            if isinstance(k, IndexExpr):
+                has_expr = True
+            elif isinstance(k, Tile):
+                raise NKIError("dynamic (tile-valued) indexing is not supported by this simulator",
+                               rule="index")
+        # per old dim: (const, ((newdim, coef), ...)); new shape
+        specs = []
+        if not has_expr:
+            new_shape = []
+            for j, k in enumerate(key):
+                if isinstance(k, slice):
+                    n = self.shape[j]
+                    if k.step is not None and k.step <= 0:
+                        raise NKIError("negative slice steps are not supported", rule="index")
+                    start = 0 if k.start is None else int(k.start)
+                    stop = n if k.stop is None else int(k.stop)
+                    step = k.step or 1
+                    size = max(0, -(-(stop - start) // step))
+                    specs.append((start, ((len(new_shape), step),)))
+                    new_shape.append(size)
+                else:
+                    specs.append((int(k), ()))
+        else:
+            ndim, slot = 0, 0
+            for k in key:
+                if isinstance(k, IndexExpr):
+                    for v in k.variables():
+                        ndim = max(ndim, v.ndim)
+            new_shape = [1] * ndim
+            for j, k in enumerate(key):
+                if isinstance(k, slice):
+                    start = 0 if k.start is None else int(k.start)
+                    stop = self.shape[j] if k.stop is None else int(k.stop)
+                    while slot < ndim and new_shape[slot] != 1:
+                        slot += 1
+                    if slot >= ndim:
+                        raise NKIError("cannot mix slices and aranges in this index", rule="index")
+                    new_shape[slot] = stop - start
+                    specs.append((start, ((slot, k.step or 1),)))
+                    slot += 1
+                elif isinstance(k, IndexExpr):
+                    terms = []
+                    for v, c in k.terms:
+                        if new_shape[v.pos] not in (1, v.size):
+                            raise NKIError(f"index axis {v.pos} has conflicting sizes "
+                                           f"{new_shape[v.pos]} and {v.size}", rule="index")
+                        new_shape[v.pos] = v.size
+                        terms.append((v.pos, c))
+                    specs.append((k.const, tuple(terms)))
+                else:
+                    specs.append((int(k), ()))
+        base = list(self.base)
+        maps: list[dict] = [dict() for _ in new_shape]
+        for j, (c, terms) in enumerate(specs):
+            for d, m in self.maps[j]:
+                base[d] += m * c
+                for nd, a in terms:
+                    maps[nd][d] = maps[nd].get(d, 0) + m * a
+        return Tile(self.buf, tuple(new_shape), tuple(base),
+                    tuple(tuple(mp.items()) for mp in maps))
+
+    # -- view transforms --------------------------------------------------------------------
+    def narrow(self, dim: int, start: int, length: int) -> "Tile":
+        base = list(self.base)
+        for d, m in self.maps[dim]:
+            base[d] += m * start
+        shape = list(self.shape)
+        shape[dim] = length
+        return Tile(self.buf, tuple(shape), tuple(base), self.maps)
+
+    def broadcast_to(self, shape: Sequence[int]) -> "Tile":
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != len(self.shape):
+            raise NKIError(f"broadcast_to {shape} from {self.shape}: ranks differ", rule="tile-shape")
+        maps = []
+        for n_old, n_new, m in zip(self.shape, shape, self.maps):
+            if n_old == n_new:
+                maps.append(m)
+            elif n_old == 1:
+                maps.append(tuple((d, 0) for d, _ in m) or ())
+            else:
+                raise NKIError(f"cannot broadcast {self.shape} to {shape}", rule="tile-shape")
+        return Tile(self.buf, shape, self.base, tuple(maps))
+
+    def reshape(self, shape: Sequence[int]) -> "Tile":
+        """Reshape a whole contiguous tensor (HBM tensors, as `tensor.reshape` in NKI)."""
+        shape = tuple(int(s) for s in shape)
+        n = 1
+        for s in shape:
+            n *= s
+        if not self.is_whole or n != self.numel():
+            raise NKIError(f"reshape {self.shape} -> {shape} needs a whole contiguous tensor",
+                           rule="tile-shape")
+        return Tile.whole(AliasBuffer(self.buf, shape))
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    # -- checks and materialisation ---------------------------------------------------------
+    def region(self) -> tuple:
+        """Bounding box in buffer coordinates; raises OutOfBoundsError if outside the buffer."""
+        r = self._region
+        if r is not None:
+            return r
+        lo = list(self.base)
+        hi = list(self.base)
+        if all(self.shape):
+            for n, mp in zip(self.shape, self.maps):
+                for d, m in mp:
+                    if m > 0:
+                        hi[d] += m * (n - 1)
+                    else:
+                        lo[d] += m * (n - 1)
+        for d, size in enumerate(self.buf.shape):
+            if lo[d] < 0 or hi[d] >= size:
+                raise OutOfBoundsError(
+                    f"access [{lo[d]}, {hi[d]}] of dimension {d} is out of bounds for "
+                    f"{self.buf.kind} tensor of shape {tuple(self.buf.shape)}")
+        r = self._region = tuple(zip(lo, hi))
+        return r
+
+    def check_tile(self, what: str = "operand") -> None:
+        """An on-chip tile used by an engine: dimension 0 must be the partition dimension."""
+        b = self.buf
+        if not self.shape:
+            raise PartitionDimError(f"{what} is a scalar view; instructions need a tile")
+        p = self.shape[0]
+        if p > 128:
+            raise PartitionDimError(f"{what} partition dimension is {p}; hardware has 128 partitions (pmax)")
+        m0 = self.maps[0]
+        if p > 1 and not (len(m0) == 1 and m0[0][0] == b.pdim) and not all(m == 0 for _, m in m0):
+            raise PartitionDimError(f"{what}: the first dimension of an on-chip tile must index the "
+                                    f"partition dimension of its {b.kind} tensor")
+        for mp in self.maps[1:]:
+            for d, m in mp:
+                if d == b.pdim and m:
+                    raise PartitionDimError(f"{what}: only the first dimension may index partitions")
+
+    def torch(self) -> torch.Tensor:
+        """Zero-copy torch view of the storage (after a bounds check)."""
+        self.region()
+        data = self.buf.storage()
+        st = self.buf.strides
+        off = 0
+        for d, b in enumerate(self.base):
+            off += b * st[d]
+        strides = []
+        for mp in self.maps:
+            s = 0
+            for d, m in mp:
+                s += m * st[d]
+            strides.append(s)
+        return data.as_strided(self.shape, strides, off + data.storage_offset())
+
+    def float32(self) -> torch.Tensor:
+        """fp32 values of the view (cached conversion of the whole buffer for low precision)."""
+        self.region()
+        if self.buf.tdtype == torch.float32:
+            return self.torch()
+        f = self.buf.float32()
+        st = self.buf.strides
+        off = sum(b * st[d] for d, b in enumerate(self.base))
+        strides = [sum(m * st[d] for d, m in mp) for mp in self.maps]
+        return f.as_strided(self.shape, strides, off)
+
+    def per_partition(self) -> int:
+        n = 1
+        for s in self.shape[1:]:
+            n *= s
+        return n
+
+    # -- operators (defined in language.py) -------------------------------------------------
+    def __add__(self, o): return _ops().add(self, o)
+    def __radd__(self, o): return _ops().add(o, self)
+    def __sub__(self, o): return _ops().subtract(self, o)
+    def __rsub__(self, o): return _ops().subtract(o, self)
+    def __mul__(self, o): return _ops().multiply(self, o)
+    def __rmul__(self, o): return _ops().multiply(o, self)
+    def __truediv__(self, o): return _ops().divide(self, o)
+    def __rtruediv__(self, o): return _ops().divide(o, self)
+    def __neg__(self): return _ops().negative(self)
+    def __pow__(self, o): return _ops().power(self, o)
+    def __lt__(self, o): return _ops().less(self, o)
+    def __le__(self, o): return _ops().less_equal(self, o)
+    def __gt__(self, o): return _ops().greater(self, o)
+    def __ge__(self, o): return _ops().greater_equal(self, o)
+    def __and__(self, o): return _ops().bitwise_and(self, o)
+    def __or__(self, o): return _ops().bitwise_or(self, o)
+    def __xor__(self, o): return _ops().bitwise_xor(self, o)
+    __hash__ = object.__hash__
+
+    def __iadd__(self, o): return _ops()._inplace(self, o, "add")
+    def __isub__(self, o): return _ops()._inplace(self, o, "subtract")
+    def __imul__(self, o): return _ops()._inplace(self, o, "multiply")
+    def __itruediv__(self, o): return _ops()._inplace(self, o, "divide")
+
+
+def _ops():
+    from . import language
+    return language
+
+
+def flatten_tiles(obj: Any) -> Iterable[Tile]:
+    if isinstance(obj, Tile):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from flatten_tiles(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from flatten_tiles(o)
