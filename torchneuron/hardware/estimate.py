@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from .targets import Target, get_target, set_target
-from .timeline import TimelineEntry, add_listener, remove_listener
+from .timeline import TimelineEntry, add_listener, flush_pending, remove_listener
 
 __all__ = ["Estimate", "OpRow", "estimate"]
 
@@ -148,10 +148,12 @@ def estimate(target: str | None = None) -> Iterator[Estimate]:
     previous = get_target()
     chosen = set_target(target) if target is not None else previous
     report = Estimate(target=chosen)
+    flush_pending()  # work issued before the region is not part of it
     add_listener(report.observe)
     try:
         yield report
     finally:
+        flush_pending()
         remove_listener(report.observe)
         if chosen is not previous:
             set_target(previous.name)

@@ -35,6 +35,8 @@ __all__ = [
     "add_listener",
     "remove_listener",
     "recording_enabled",
+    "add_pending_source",
+    "flush_pending",
 ]
 
 
@@ -80,6 +82,23 @@ def remove_listener(fn: Listener) -> None:
         if fn in listeners:
             listeners.remove(fn)
         _listeners = tuple(listeners)
+
+
+# Producers of device work that is recorded but not yet priced (the runtime's work log). Readers
+# of the timeline call flush_pending() first so they see every piece of work issued so far.
+_pending_sources: list[Callable[[], None]] = []
+
+
+def add_pending_source(flush: Callable[[], None]) -> None:
+    """Register `flush()`, which charges work recorded elsewhere to the timelines."""
+    if flush not in _pending_sources:
+        _pending_sources.append(flush)
+
+
+def flush_pending() -> None:
+    """Charge all recorded-but-unpriced work (call before reading clocks or entries)."""
+    for flush in _pending_sources:
+        flush()
 
 
 def recording_enabled() -> bool:
@@ -156,6 +175,11 @@ class DeviceTimeline:
     def entries(self) -> int:
         """Number of items enqueued since the last reset."""
         return self._entries
+
+    def stream_ids(self) -> list[int]:
+        """Ids of the streams used since the last reset."""
+        with self._lock:
+            return list(self._clocks)
 
     def streams(self) -> dict[int, float]:
         """Clock of every stream used since the last reset."""

@@ -32,16 +32,22 @@ class Stream(torch.Stream):
         return f"<torch.neuron.Stream device={self.device} stream_id={self.stream_id}>"
 
 
-class Event(torch.Event):
-    """A neuron event: a point on a stream of the device timeline (like torch.cuda.Event)."""
+class _NeuronEventType(type):
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, torch.Event) and obj.device.type == "neuron"
+
+
+class Event(metaclass=_NeuronEventType):
+    """A neuron event: a point on a stream of the device timeline (like torch.cuda.Event).
+
+    Instances are plain torch.Event objects on a neuron device (torch's C++ methods accept only
+    that exact type); `isinstance(e, torch.neuron.Event)` holds for them.
+    """
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                device: Any = None) -> "Event":
-        return super().__new__(cls, device=torch.device("neuron", device_index(device)), enable_timing=enable_timing,
-                               blocking=blocking, interprocess=interprocess)
-
-    def __repr__(self) -> str:
-        return f"<torch.neuron.Event device={self.device} id={self.event_id}>"
+                device: Any = None) -> torch.Event:
+        return torch.Event(device=torch.device("neuron", device_index(device)), enable_timing=enable_timing,
+                           blocking=blocking, interprocess=interprocess)
 
 
 def _wrap(stream: torch.Stream) -> Stream:

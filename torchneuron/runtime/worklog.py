@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from torchneuron.hardware.targets import on_target_change
+from torchneuron.hardware.timeline import add_pending_source
 from torchneuron.runtime.extension import ops
 
 OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = range(7)
@@ -188,3 +189,4 @@ def install() -> None:
     lib.impl("_event_elapsed_ms", event_elapsed_ms, "CompositeExplicitAutograd")
     _registrations.append(lib)
     on_target_change(lambda target: (drain(), _price_cache.clear()))
+    add_pending_source(drain)

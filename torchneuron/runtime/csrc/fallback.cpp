@@ -10,6 +10,7 @@
 #include "neuron.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -634,6 +635,12 @@ std::tuple<Tensor, Tensor, Tensor> neuron_convolution_backward(
   return out;
 }
 
+// Tensor.record_stream: tells the allocator the block is used on `stream` (see recordStream).
+void neuron_record_stream(Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == kNeuron, "record_stream expects a neuron stream, got one on ", stream.device());
+  static_cast<c10::DeviceAllocator*>(device_allocator())->recordStream(self.storage().data_ptr(), stream);
+}
+
 // Ops whose CPU kernel must run on the neuron TensorImpl itself (storage swaps, resizes).
 void redispatch_to_cpu_kernel(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
   op.redispatchBoxed(kCPUKeys, stack);
@@ -686,6 +693,7 @@ static bool g_installed = [] {
     m.impl(n, torch::CppFunction::makeFromBoxedFunction<&redispatch_to_cpu_kernel>());
   m.impl("set_", TORCH_FN(neuron_set_empty));
   m.impl("copy_", TORCH_FN(neuron_copy_));
+  m.impl("record_stream", TORCH_FN(neuron_record_stream));
   m.impl("_copy_from", TORCH_FN(neuron_copy_from));
   m.impl("_copy_from_and_resize", TORCH_FN(neuron_copy_from_and_resize));
   m.impl("convolution_overrideable", TORCH_FN(neuron_convolution));

@@ -1,0 +1,71 @@
+"""Devices, torch.neuron and torch.accelerator on the neuron device."""
+import pytest
+import torch
+
+
+def test_accelerator_is_neuron():
+    assert torch.accelerator.current_accelerator() == torch.device("neuron")
+    assert torch.accelerator.is_available()
+    assert torch.accelerator.device_count() == torch.neuron.device_count() == 2
+
+
+def test_tensor_and_module_methods():
+    x = torch.arange(6.0).neuron()
+    assert x.is_neuron and x.device == torch.device("neuron", 0)
+    m = torch.nn.Linear(3, 2).neuron()
+    assert m.weight.device.type == "neuron"
+    assert torch.equal(x.cpu(), torch.arange(6.0))
+
+
+def test_set_device_and_guard():
+    assert torch.neuron.current_device() == 0
+    with torch.neuron.device(1):
+        assert torch.neuron.current_device() == 1
+        assert torch.empty(2, device="neuron").device.index == 1
+    assert torch.neuron.current_device() == 0
+    torch.neuron.set_device("neuron:1")
+    try:
+        assert torch.accelerator.current_device_index() == 1
+    finally:
+        torch.neuron.set_device(0)
+
+
+def test_copies_between_devices():
+    x = torch.randn(4, 5, device="neuron:0")
+    y = x.to("neuron:1")
+    assert y.device.index == 1 and torch.equal(y.cpu(), x.cpu())
+    z = y * 2
+    assert z.device.index == 1
+
+
+def test_invalid_device_index_is_a_clear_error():
+    with pytest.raises((RuntimeError, IndexError), match="Invalid device index neuron:7"):
+        torch.empty(2, device="neuron:7")
+    with pytest.raises(IndexError, match="neuron device"):
+        torch.neuron.set_device(9)
+    assert torch.ones(2, device="neuron").sum().item() == 2  # still usable
+
+
+def test_mixing_devices_names_both():
+    a = torch.ones(3, device="neuron")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device.*neuron:0 and cpu"):
+        a + torch.ones(3)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.mm(torch.ones(2, 2, device="neuron"), torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match="neuron:0 and neuron:1"):
+        a + torch.ones(3, device="neuron:1")
+    assert (a + torch.tensor(2.0)).sum().item() == 9  # CPU scalars are allowed, as on CUDA
+
+
+def test_properties_report_target():
+    props = torch.neuron.get_device_properties(0)
+    assert props.target in ("trn1", "trn2", "trn3")
+    assert props.core_type.startswith("NeuronCore-v")
+    assert props.total_memory > 0
+    assert "NeuronCore" in torch.neuron.get_device_name()
+
+
+def test_torch_neuronx_alias():
+    import torch_neuronx
+
+    assert torch_neuronx.get_target().name in ("trn1", "trn2", "trn3")

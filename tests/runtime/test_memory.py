@@ -1,0 +1,55 @@
+"""The caching allocator: statistics, capacity, out-of-memory errors."""
+import pytest
+import torch
+
+import torchneuron
+
+
+def test_allocation_statistics_track_tensors():
+    torch.neuron.empty_cache()
+    base = torch.neuron.memory_allocated()
+    x = torch.empty(1024, 1024, device="neuron")  # 4 MiB
+    assert torch.neuron.memory_allocated() - base == 4 * 2**20
+    assert torch.accelerator.memory_allocated("neuron") == torch.neuron.memory_allocated()
+    torch.neuron.reset_peak_memory_stats()
+    y = x * 2  # a CPU kernel's result adopted as device memory is counted too
+    assert torch.neuron.max_memory_allocated() >= base + 8 * 2**20
+    del x, y
+    assert torch.neuron.memory_allocated() == base
+    stats = torch.neuron.memory_stats()
+    assert stats["allocation.all.allocated"] >= 2
+
+
+def test_cache_and_empty_cache():
+    torch.neuron.empty_cache()
+    x = torch.empty(256, 1024, device="neuron")
+    del x
+    reserved = torch.neuron.memory_reserved()
+    assert reserved >= 2**20  # the freed block stays cached
+    torch.neuron.empty_cache()
+    assert torch.neuron.memory_reserved() <= reserved - 2**20
+    assert "Allocated memory" in torch.neuron.memory_summary()
+
+
+def test_out_of_memory_is_clear_and_recoverable():
+    keep = torch.arange(10.0, device="neuron")
+    old = torch.neuron.mem_get_info()[1]
+    torchneuron.set_memory_capacity(64 * 2**20)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 256.00 MiB.*TORCHNEURON_MEMORY_CAPACITY"):
+            torch.empty(64, 2**20, device="neuron")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.ones(40, 2**20, device="neuron") * 2  # the result of a CPU kernel exceeds it too
+        assert torch.equal(keep.cpu(), torch.arange(10.0))  # nothing lost
+        assert (keep + 1).sum().item() == 55
+    finally:
+        torchneuron.set_memory_capacity(old)
+
+
+def test_storage_and_resize():
+    s = torch.UntypedStorage(16, device="neuron")
+    assert s.device.type == "neuron" and s.nbytes() == 16
+    t = torch.zeros(2, device="neuron")
+    t.resize_(100)
+    t[50] = 3.0
+    assert t.shape == (100,) and t[50].item() == 3.0
