@@ -373,8 +373,12 @@ def _conv_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequen
             return None
         grad_out, x, w = ins[0], ins[1], ins[2]
         y_shape = grad_out[1]
+        # grad_input and grad_weight are each a GEMM of the forward's size. Callers may
+        # truncate long signatures, so fewer than two visible gradients count as two
+        # unless the signature is short enough to be complete.
         produced = [o for o in outs if o[1] in (x[1], w[1])]
-        repeat = float(max(1, len(produced)))
+        complete = len(ins) + len(outs) < 4
+        repeat = float(len(produced) if complete and produced else 2)
     else:
         if len(ins) < 2 or not outs:
             return None
@@ -443,7 +447,7 @@ def _elementwise_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[T
                       elements: float | None = None, scalar_passes: float = 0.0) -> _Work:
     if elements is None:
         elements = _elements(outs, ins)
-    passes *= _int64_factor(target, ins, outs)
+    passes *= _int64_factor(target, ins or outs)  # the operands computed on
     engine_s = {engine: _engine_passes(target, engine, elements, passes)}
     if scalar_passes:
         engine_s["scalar"] = engine_s.get("scalar", 0.0) + _engine_passes(target, "scalar", elements, scalar_passes)
