@@ -7,7 +7,16 @@ model of the chosen Trainium target (TORCHNEURON_TARGET=trn1|trn2|trn3).
 """
 from __future__ import annotations
 
-from torchneuron.runtime import register as _register
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group: importing this module registers the device.
+
+    Defined before anything imports torch: `import torchneuron` first imports torch, whose
+    autoload then finds this (partially initialised) module and calls it.
+    """
+
+
+from torchneuron.runtime import register as _register  # noqa: E402
 
 _register()
 
@@ -16,10 +25,6 @@ from torchneuron.ops.policy import fallback_counts, reset_fallback_counts, set_s
 from torchneuron.runtime.memory import set_capacity as set_memory_capacity  # noqa: E402
 
 __version__ = "0.1.0"
-
-
-def _autoload() -> None:
-    """Entry point of the `torch.backends` group: importing this module registers the device."""
 
 
 __all__ = ["fallback_counts", "get_target", "reset_fallback_counts", "set_memory_capacity", "set_strict",
