@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os as _os
 
-from . import isa, language, typing  # noqa: F401
+from . import compiler, isa, language, typing  # noqa: F401
 from .alias import install_import_alias, uninstall_import_alias  # noqa: F401
 from .errors import (CapacityError, DTypeError, EngineRuleError, KernelError, NKIError,  # noqa: F401
                      OutOfBoundsError, PartitionDimError, ShapeError)

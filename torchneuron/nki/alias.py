@@ -18,7 +18,7 @@ import sys
 import types
 
 _ROOTS = ("neuronxcc.nki", "nki")
-_SUBMODULES = {"language", "isa", "typing"}
+_SUBMODULES = {"language", "isa", "typing", "compiler"}
 
 
 class _AliasLoader(importlib.abc.Loader):

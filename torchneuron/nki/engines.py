@@ -276,6 +276,7 @@ def elementwise(kind: str, fn: Callable, inputs: Sequence[Any], *, dtype: Any = 
     else:
         on_chip(dst, f"{kind} destination")
         same_partitions(dst, out_shape, kind)
+    full = dst
     ranges, pred = mask_narrowing(mask, tiles + [dst])
     if ranges:
         inputs = [narrow(x, ranges) for x in inputs]
@@ -296,7 +297,7 @@ def elementwise(kind: str, fn: Callable, inputs: Sequence[Any], *, dtype: Any = 
         run.pending_ranges = ranges
     else:
         run.issue(kind, reads, [dst], engine, **cost)
-    return dst
+    return full
 
 
 def reduce_values(name: str, v: torch.Tensor, axes: tuple) -> torch.Tensor:
@@ -512,8 +513,20 @@ def _mem(t: Tile) -> str:
     return "hbm" if t.buf.kind in HBM_KINDS else t.buf.kind
 
 
+def partition_major(t: Tile) -> Tile:
+    """A whole multi-block on-chip tensor (blocks before its par_dim) viewed with the
+    partition dimension first, so one instruction can sweep all its blocks."""
+    p = t.buf.pdim
+    if p == 0 or not t.is_whole:
+        return t
+    order = [p] + [d for d in range(len(t.shape)) if d != p]
+    return Tile(t.buf, tuple(t.shape[d] for d in order), t.base, tuple(t.maps[d] for d in order))
+
+
 def memset(dst: Tile, value: float, mask: Any = None) -> Tile:
     run = current()
+    full = dst
+    dst = partition_major(dst)
     on_chip(dst, "memset")
     ranges, pred = mask_narrowing(mask, [dst])
     d = narrow(dst, ranges)
@@ -522,7 +535,7 @@ def memset(dst: Tile, value: float, mask: Any = None) -> Tile:
         write(run, d, float(scalar_value(value)), pred)
     run.issue("memset", [], [d], partitions=d.shape[0] if d.shape else 1,
               free_elems=d.per_partition(), dtype=d.buf.tdtype)
-    return dst
+    return full
 
 
 def iota_values(expr: Any, shape: tuple) -> torch.Tensor:

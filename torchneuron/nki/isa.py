@@ -136,10 +136,28 @@ def activation(*args, **kwargs) -> Tile:
         return fn(x)
     out = _E.elementwise("activation", compute, inputs, dtype=kwargs.get("dtype"), dst=dst,
                          mask=kwargs.get("mask"), out_shape=data.shape, engine=_eng(kwargs.get("engine")))
-    reduce_res = kwargs.get("reduce_res")
-    if reduce_res is not None:
-        _reduce_into(reduce_res, out, kwargs.get("reduce_op", np.add))
+    cmd = kwargs.get("reduce_cmd", reduce_cmd.reset_reduce if kwargs.get("reduce_res") is not None
+                     else reduce_cmd.idle)
+    _accumulate_registers(out, cmd, kwargs.get("reduce_res"), kwargs.get("reduce_op", np.add))
     return out
+
+
+def _accumulate_registers(data: Tile, cmd: "reduce_cmd", res: Tile | None, op: Any) -> None:
+    """The Scalar engine's 128 reduction registers (one per partition), driven by reduce_cmd."""
+    run = current()
+    if cmd is reduce_cmd.idle and res is None:
+        return
+    regs = getattr(run, "act_regs", None)
+    if regs is None or cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        regs = run.act_regs = torch.zeros(data.shape[0])
+    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce) and run.compute:
+        v = _E.values(data, run)
+        regs = run.act_regs = regs[:v.shape[0]] + v.reshape(v.shape[0], -1).sum(dim=1)
+    if res is not None:
+        if run.compute:
+            _E.write(run, res, regs)
+        run.issue("tensor_reduce", [data], [res], partitions=data.shape[0], free_elems=1,
+                  dtype=res.buf.tdtype)
 
 
 def activation_reduce(*args, **kwargs) -> Tile:

@@ -41,6 +41,16 @@ class _Buffer(str):
         return self
 
 
+class ModAlloc(str):
+    """A direct allocation (`nki.compiler.sbuf.mod_alloc(...)`): leading block dimensions
+    rotate over `tiles` physical buffers, so capacity is charged for those only."""
+
+    def __new__(cls, kind: str, tiles: tuple = ()):
+        obj = str.__new__(cls, kind)
+        obj.tiles = tuple(int(t) for t in tiles)
+        return obj
+
+
 sbuf = _Buffer("sbuf")
 psum = _Buffer("psum")
 hbm = _Buffer("hbm")
@@ -180,7 +190,8 @@ def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
             buf = run.shared[key] = run.allocate(kind, dims, tdtype, pdim, fill, name)
         return Tile.whole(buf)
     t = Tile.whole(run.allocate(kind, dims, tdtype, pdim, 0 if (fill is not None and kind == "psum")
-                                else None if kind in ("sbuf",) else fill, name))
+                                else None if kind in ("sbuf",) else fill, name,
+                                blocks=getattr(buffer, "tiles", None)))
     if fill is not None and kind in ("sbuf", "psum"):
         _E.memset(t, fill)
     return t

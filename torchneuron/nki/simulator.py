@@ -87,7 +87,7 @@ class Run:
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, kind: str, shape: tuple, tdtype: torch.dtype, pdim: int = 0,
-                 fill: float | None = None, name: str = "") -> Buffer:
+                 fill: float | None = None, name: str = "", blocks: tuple | None = None) -> Buffer:
         if kind in ("sbuf", "psum"):
             p = shape[pdim] if shape else 1
             if p > self.target.partitions:
@@ -98,19 +98,33 @@ class Run:
             for i, s in enumerate(shape):
                 if i != pdim:
                     free *= s
+            if blocks:  # direct allocation: leading block dims rotate over `blocks` buffers
+                lead = 1
+                for s in [s for i, s in enumerate(shape) if i != pdim][:len(blocks)]:
+                    lead *= s
+                phys = 1
+                for b in blocks:
+                    phys *= b
+                free = free // max(lead, 1) * phys
             pool = self.sbuf if kind == "sbuf" else self.psum
             if kind == "psum":
                 bank = self.target.psum_bank_bytes
-                blocks = 1
+                nblk = 1
                 for i in range(pdim):
-                    blocks *= shape[i]
-                per_block = free // max(blocks, 1)
+                    nblk *= shape[i]
+                if blocks:
+                    nblk = 1
+                    for b in blocks:
+                        nblk *= b
+                per_block = free // max(nblk, 1)
                 if per_block > bank:
                     raise CapacityError(
                         f"PSUM tile of shape {shape} ({tdtype}) needs {per_block} B a partition; a PSUM "
                         f"tile must fit one {bank} B bank ({bank // 4} fp32, nl.tile_size.psum_fmax)",
                         rule="psum-capacity")
-                free = blocks * bank
+                # An auto-allocated multi-block PSUM tensor is rotated through banks as its
+                # blocks' lifetimes allow (the compiler's allocator); charge one bank for it.
+                free = (nblk if blocks else 1) * bank
             pool.charge(free, f"{kind} tensor of shape {shape} ({tdtype})")
         data = None
         if self.compute:

@@ -406,10 +406,15 @@ class Tile:
 
     def broadcast_to(self, shape: Sequence[int]) -> "Tile":
         shape = tuple(int(s) for s in shape)
-        if len(shape) != len(self.shape):
+        src_shape, src_maps = self.shape, self.maps
+        if len(src_shape) < len(shape):  # a [P] vector broadcasts like [P, 1]
+            pad = len(shape) - len(src_shape)
+            src_shape = src_shape + (1,) * pad
+            src_maps = src_maps + ((),) * pad
+        if len(shape) != len(src_shape):
             raise NKIError(f"broadcast_to {shape} from {self.shape}: ranks differ", rule="tile-shape")
         maps = []
-        for n_old, n_new, m in zip(self.shape, shape, self.maps):
+        for n_old, n_new, m in zip(src_shape, shape, src_maps):
             if n_old == n_new:
                 maps.append(m)
             elif n_old == 1:
