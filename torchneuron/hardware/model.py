@@ -548,6 +548,7 @@ def _foreach_elements(ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> fl
 
 
 def _scalar_read_cost(target: Target, ins: Sequence[TensorSig]) -> Cost:
+    """item(): one element read back to the host over the host link."""
     return copy_cost(sum(s[0].itemsize for s in ins[:1]), "d2h", target)
 
 
