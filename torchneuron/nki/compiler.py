@@ -19,7 +19,8 @@ class _Memory:
 
     def mod_alloc(self, *args: Any, base_addr: int = 0, base_bank: int = 0, num_free_tiles: tuple = (),
                   num_bank_tiles: tuple = (), **kwargs: Any) -> ModAlloc:
-        return ModAlloc(self.kind, tuple(num_free_tiles or num_bank_tiles))
+        return ModAlloc(self.kind, tuple(num_free_tiles or num_bank_tiles) or (1,),
+                        base_bank * 2048 if self.kind == "psum" else base_addr)
 
     def auto_alloc(self, *args: Any, **kwargs: Any) -> ModAlloc:
         return ModAlloc(self.kind)

@@ -45,9 +45,10 @@ class ModAlloc(str):
     """A direct allocation (`nki.compiler.sbuf.mod_alloc(...)`): leading block dimensions
     rotate over `tiles` physical buffers, so capacity is charged for those only."""
 
-    def __new__(cls, kind: str, tiles: tuple = ()):
+    def __new__(cls, kind: str, tiles: tuple = (), base: int | None = None):
         obj = str.__new__(cls, kind)
         obj.tiles = tuple(int(t) for t in tiles)
+        obj.base = base
         return obj
 
 
@@ -191,7 +192,7 @@ def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
         return Tile.whole(buf)
     t = Tile.whole(run.allocate(kind, dims, tdtype, pdim, 0 if (fill is not None and kind == "psum")
                                 else None if kind in ("sbuf",) else fill, name,
-                                blocks=getattr(buffer, "tiles", None)))
+                                blocks=getattr(buffer, "tiles", None), base=getattr(buffer, "base", None)))
     if fill is not None and kind in ("sbuf", "psum"):
         _E.memset(t, fill)
     return t

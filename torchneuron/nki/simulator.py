@@ -87,7 +87,8 @@ class Run:
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, kind: str, shape: tuple, tdtype: torch.dtype, pdim: int = 0,
-                 fill: float | None = None, name: str = "", blocks: tuple | None = None) -> Buffer:
+                 fill: float | None = None, name: str = "", blocks: tuple | None = None,
+                 base: int | None = None) -> Buffer:
         if kind in ("sbuf", "psum"):
             p = shape[pdim] if shape else 1
             if p > self.target.partitions:
@@ -125,6 +126,11 @@ class Run:
                 # An auto-allocated multi-block PSUM tensor is rotated through banks as its
                 # blocks' lifetimes allow (the compiler's allocator); charge one bank for it.
                 free = (nblk if blocks else 1) * bank
+            if base is not None:  # placed by the kernel (direct allocation): check the address range
+                if base + free > pool.capacity:
+                    raise CapacityError(f"{kind} allocation at byte {base} of {free} B a partition ends "
+                                        f"past {pool.capacity} B", rule=pool.rule)
+                free = 0
             pool.charge(free, f"{kind} tensor of shape {shape} ({tdtype})")
         data = None
         if self.compute:
