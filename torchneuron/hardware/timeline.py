@@ -74,6 +74,10 @@ def add_listener(fn: Listener) -> None:
         _listeners = _listeners + (fn,)
 
 
+def has_listeners() -> bool:
+    return bool(_listeners)
+
+
 def remove_listener(fn: Listener) -> None:
     """Stop calling `fn`; unknown listeners are ignored."""
     global _listeners
@@ -135,6 +139,17 @@ class DeviceTimeline:
         return start, end
 
     # ---- clocks, events, joins -----------------------------------------------------------
+    def advance(self, stream_id: int, duration_s: float, engine_busy: dict[str, float], count: int) -> float:
+        """Charge `count` back-to-back items of total `duration_s` to a stream at once (no listener
+        sees them: callers use it only when there are none). Returns the stream's new clock."""
+        with self._lock:
+            end = self._clocks.get(stream_id, self._floor) + duration_s
+            self._clocks[stream_id] = end
+            for engine, busy in engine_busy.items():
+                self._engine_busy[engine] = self._engine_busy.get(engine, 0.0) + busy
+            self._entries += count
+        return end
+
     def now(self, stream_id: int) -> float:
         """The stream's clock: when its last enqueued work ends."""
         with self._lock:

@@ -18,6 +18,7 @@ from torchneuron.runtime.extension import ops
 HOST_ONLY = 1          # no NeuronCore implementation: runs on the host CPU
 IMPLICIT_RNG = 2       # the CPU kernel draws from the default generator without an argument
 MIXED_DEVICES = 4      # accepts CPU tensors beside neuron ones (as CUDA does for these ops)
+DATA_MOVEMENT = 8      # moves bytes only: any dtype is native (no FP64 arithmetic involved)
 
 # Ops with no NeuronCore implementation in the real stack: dense linear-algebra factorisations,
 # FFTs, data-dependent output shapes and host-side sampling/statistics.
@@ -45,6 +46,12 @@ MIXED_DEVICE_OPS = frozenset({
 })
 
 
+DATA_MOVEMENT_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::clone", "aten::_to_copy", "aten::copy_", "aten::empty_like",
+    "aten::cat", "aten::stack", "aten::fill_", "aten::zero_", "aten::contiguous",
+})
+
+
 def classify_op(name: str) -> int:
     """Policy bits for one overload name such as 'aten::linalg_svd' or 'aten::add.Tensor'."""
     base = name.split(".")[0]
@@ -55,6 +62,8 @@ def classify_op(name: str) -> int:
         policy |= IMPLICIT_RNG
     if name in MIXED_DEVICE_OPS or base in MIXED_DEVICE_OPS:
         policy |= MIXED_DEVICES
+    if base in DATA_MOVEMENT_OPS:
+        policy |= DATA_MOVEMENT
     return policy
 
 

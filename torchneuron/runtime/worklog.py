@@ -58,6 +58,9 @@ def _signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
 
 
 def _price(record: np.void) -> Any:
+    """The modeled cost of one op/copy record; eager ops also pay the kernel launch."""
+    import dataclasses
+
     from torchneuron.hardware import model as perf_model
 
     n_sigs, n_inputs = int(record["n_sigs"]), int(record["n_inputs"])
@@ -65,11 +68,13 @@ def _price(record: np.void) -> Any:
     name = op_name(int(record["op_id"]))
     flags = int(record["flags"])
     if int(record["kind"]) == COPY:
-        nbytes = _nbytes(sigs[0])
         kind = "d2d" if flags & DEVICE_TO_DEVICE else ("h2d" if flags & HOST_TO_DEVICE else "d2h")
-        return perf_model.copy_cost(nbytes, kind)
-    return perf_model.op_cost(name, sigs[:n_inputs], sigs[n_inputs:], fallback=bool(flags & FALLBACK),
+        return perf_model.copy_cost(_nbytes(sigs[0]), kind)
+    if name == "aten::_local_scalar_dense":  # .item(): a device-to-host read of one element
+        return perf_model.copy_cost(_nbytes(sigs[0]), "d2h")
+    cost = perf_model.op_cost(name, sigs[:n_inputs], sigs[n_inputs:], fallback=bool(flags & FALLBACK),
                               host_seconds=float(record["host_seconds"]) if flags & FALLBACK else None)
+    return dataclasses.replace(cost, duration_s=cost.duration_s + perf_model.launch_cost())
 
 
 def _nbytes(sig: tuple[torch.dtype, tuple[int, ...]]) -> int:
@@ -77,9 +82,35 @@ def _nbytes(sig: tuple[torch.dtype, tuple[int, ...]]) -> int:
     numel = 1
     for s in shape:
         numel *= s
-    return numel * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else
-                    (1 if dtype == torch.bool else torch.iinfo(dtype).bits // 8) if not dtype.is_complex else
-                    torch.empty((), dtype=dtype).element_size())
+    return numel * _ELEMENT_SIZE.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+
+
+_ELEMENT_SIZE: dict[torch.dtype, int] = {}
+# Bytes of a record that identify its cost: kind, op_id | flags, n_inputs, n_sigs | the signatures
+# (device, stream, aux and host_seconds don't change the price).
+_KEY_COLUMNS = np.r_[0:8, 16:28, 48:RECORD.itemsize]
+
+
+def _costs(records: np.ndarray) -> list[Any]:
+    """One Cost per op/copy record: each distinct signature is priced once (and cached)."""
+    matrix = records.view(np.uint8).reshape(len(records), RECORD.itemsize)
+    keys = np.ascontiguousarray(matrix[:, _KEY_COLUMNS]).view(np.dtype((np.void, len(_KEY_COLUMNS)))).ravel()
+    unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    priced = []
+    for key, index in zip(unique, first):
+        record = records[index]
+        if int(record["flags"]) & FALLBACK:
+            priced.append(None)  # host time differs per call: priced one by one below
+            continue
+        key_bytes = key.tobytes()
+        cost = _price_cache.get(key_bytes)
+        if cost is None:
+            cost = _price_cache[key_bytes] = _price(record)
+        priced.append(cost)
+    costs = [priced[i] for i in inverse.ravel()]
+    for i in np.flatnonzero(records["flags"] & FALLBACK):
+        costs[i] = _price(records[i])
+    return costs
 
 
 def drain() -> None:
@@ -89,37 +120,65 @@ def drain() -> None:
         return
     from torchneuron.hardware import timeline as device_timeline
 
-    records = np.frombuffer(raw.numpy().tobytes(), dtype=RECORD)
+    records = np.frombuffer(raw.numpy(), dtype=RECORD)
     for hook in _drain_hooks:
         hook(records)
-    raw_bytes = records.view(np.dtype((np.void, RECORD.itemsize)))
-    for i, record in enumerate(records):
-        kind = int(record["kind"])
-        timeline = device_timeline.get_timeline(int(record["device"]))
-        stream = int(record["stream"])
-        if kind in (OP, COPY):
-            fallback = int(record["flags"]) & FALLBACK
-            key = None if fallback else _cache_key(raw_bytes[i])
-            cost = _price_cache.get(key) if key is not None else None
-            if cost is None:
-                cost = _price(record)
-                if key is not None:
-                    _price_cache[key] = cost
-            timeline.enqueue(stream, cost, op_name(int(record["op_id"])), None)
-        elif kind == EVENT_RECORD:
-            _event_times[int(record["aux"])] = (int(record["device"]), timeline.record_event(stream))
-        elif kind == EVENT_WAIT:
-            event = _event_times.get(int(record["aux"]))
-            if event is not None:
-                timeline.wait_until(stream, event[1])
-        elif kind == SYNC_DEVICE:
-            timeline.synchronize()
-        elif kind == SYNC_STREAM:
-            _host_waited(timeline.now(stream))
-        elif kind == SYNC_EVENT:
-            event = _event_times.get(int(record["aux"]))
-            if event is not None:
-                _host_waited(event[1], device_timeline.get_timeline(event[0]))
+    is_work = records["kind"] <= COPY
+    costs = [None] * len(records)
+    work_index = np.flatnonzero(is_work)
+    for i, cost in zip(work_index, _costs(records[work_index])):
+        costs[i] = cost
+    if device_timeline.has_listeners():
+        for i in range(len(records)):
+            _replay(records[i], costs[i], device_timeline)
+        return
+    # No listener: charge each run of work between control records per stream in bulk.
+    control = np.flatnonzero(~is_work)
+    begin = 0
+    for stop in list(control) + [len(records)]:
+        if stop > begin:
+            _charge_run(records[begin:stop], costs[begin:stop], device_timeline)
+        if stop < len(records):
+            _replay(records[stop], None, device_timeline)
+        begin = stop + 1
+
+
+def _charge_run(records: np.ndarray, costs: list[Any], device_timeline: Any) -> None:
+    lanes: dict[tuple[int, int], list[Any]] = {}
+    for device, stream, cost in zip(records["device"].tolist(), records["stream"].tolist(), costs):
+        lanes.setdefault((device, stream), []).append(cost)
+    for (device, stream), lane in lanes.items():
+        busy: dict[str, float] = {}
+        total = 0.0
+        for cost in lane:
+            total += cost.duration_s
+            busy[cost.engine] = busy.get(cost.engine, 0.0) + cost.duration_s
+        device_timeline.get_timeline(device).advance(stream, total, busy, len(lane))
+
+
+def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:
+    """Applies one record to its device timeline, in order."""
+    kind = int(record["kind"])
+    timeline = device_timeline.get_timeline(int(record["device"]))
+    stream = int(record["stream"])
+    if kind <= COPY:
+        name = op_name(int(record["op_id"]))
+        meta = {"fallback": bool(int(record["flags"]) & FALLBACK), "kind": "copy" if kind == COPY else "op"}
+        timeline.enqueue(stream, cost, name, meta)
+    elif kind == EVENT_RECORD:
+        _event_times[int(record["aux"])] = (int(record["device"]), timeline.record_event(stream))
+    elif kind == EVENT_WAIT:
+        event = _event_times.get(int(record["aux"]))
+        if event is not None:
+            timeline.wait_until(stream, event[1])
+    elif kind == SYNC_DEVICE:
+        timeline.synchronize()
+    elif kind == SYNC_STREAM:
+        _host_waited(timeline.now(stream))
+    elif kind == SYNC_EVENT:
+        event = _event_times.get(int(record["aux"]))
+        if event is not None:
+            _host_waited(event[1], device_timeline.get_timeline(event[0]))
 
 
 def _host_waited(t: float, timeline: Any = None) -> None:
@@ -130,12 +189,6 @@ def _host_waited(t: float, timeline: Any = None) -> None:
     for tl in timelines:
         for stream in tl.stream_ids():
             tl.wait_until(stream, t)
-
-
-def _cache_key(raw: np.void) -> bytes:
-    b = raw.tobytes()
-    # kind, op_id, (device, stream skipped), flags, n_inputs, n_sigs, (aux, host_seconds skipped), sigs
-    return b[0:8] + b[16:28] + b[48:]
 
 
 def charge(name: str, cost: Any, device: int | None = None, stream: int | None = None,

@@ -183,6 +183,7 @@ enum OpPolicy : int32_t {
   kPolicyHost = 1,         // the NeuronCore has no implementation: the op runs on the host CPU
   kPolicyImplicitRng = 2,  // the CPU kernel draws from the CPU default generator internally
   kPolicyMixedDevices = 4, // CPU tensor arguments are legitimate (index tensors, copies)
+  kPolicyDataMovement = 8, // moves bytes only: no dtype makes it a host op
 };
 struct OpEntry {
   int32_t id = 0;
@@ -434,7 +435,7 @@ void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack
     if (!v.isNone()) g = v.toGenerator();
     v = IValue(engine_of(g, index));
   }
-  const bool on_host = (entry.policy & kPolicyHost) || host_dtype;
+  const bool on_host = (entry.policy & kPolicyHost) || (host_dtype && !(entry.policy & kPolicyDataMovement));
   if (C10_UNLIKELY(on_host)) {
     if (entry.policy & kPolicyHost)
       note_fallback(entry, "op", "no NeuronCore implementation");

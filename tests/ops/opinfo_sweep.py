@@ -1,0 +1,159 @@
+"""Runs PyTorch's OpInfo database on neuron and compares every sample with the CPU.
+
+For each OpInfo and dtype (float32, bfloat16), up to MAX_SAMPLES sample inputs run on the CPU
+and on neuron (forward; and backward for float32 where the op supports autograd); results must
+match within the dtype's tolerance. Random ops are compared in shape/dtype only (the same seed
+gives the same numbers only for generator-driven ops). Run as a script for a report:
+    python tests/ops/opinfo_sweep.py [--dtype float32] [--ops name,...]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+import torchneuron  # noqa: F401  (before common_device_type)
+from torch.testing import assert_close
+from torch.testing._internal.common_methods_invocations import op_db
+
+MAX_SAMPLES = 4
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+NONDETERMINISTIC = ("empty", "new_empty", "rand", "normal", "bernoulli", "multinomial", "uniform",
+                    "nn.functional.dropout", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
+                    "cauchy", "exponential", "geometric", "log_normal", "randint", "randn", "randperm",
+                    "nn.functional.rrelu", "empty_like", "empty_strided", "empty_permuted", "new_empty_strided")
+
+
+@dataclass
+class SweepResult:
+    samples_passed: int = 0
+    samples_failed: int = 0
+    ops_run: int = 0
+    failures: dict[str, str] = field(default_factory=dict)  # "op.variant/dtype" -> first error
+
+    @property
+    def pass_rate(self) -> float:
+        total = self.samples_passed + self.samples_failed
+        return self.samples_passed / total if total else 1.0
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout()
+
+
+def _to_neuron(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("neuron").requires_grad_(x.requires_grad)
+    return x
+
+
+def _cpu(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _grad_inputs(sample) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _differentiable_outputs(out) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+
+def check_sample(op, sample, dtype: torch.dtype, grad: bool) -> None:
+    dev = sample.transform(_to_neuron)
+    torch.manual_seed(0)
+    expected = op(sample.input, *sample.args, **sample.kwargs)
+    torch.manual_seed(0)
+    actual = op(dev.input, *dev.args, **dev.kwargs)
+    expected_out = sample.output_process_fn_grad(expected)
+    actual_out = torch.utils._pytree.tree_map(_cpu, dev.output_process_fn_grad(actual))
+    if op.name.startswith(NONDETERMINISTIC):
+        for a, e in zip(torch.utils._pytree.tree_leaves(actual_out), torch.utils._pytree.tree_leaves(expected_out)):
+            if isinstance(e, torch.Tensor):
+                assert a.shape == e.shape and a.dtype == e.dtype
+        return
+    assert_close(actual_out, expected_out, equal_nan=True, check_device=False, **TOLERANCE[dtype])
+    if not grad:
+        return
+    outs_c, outs_d = _differentiable_outputs(expected), _differentiable_outputs(actual)
+    ins_c, ins_d = _grad_inputs(sample), _grad_inputs(dev)
+    if not (outs_c and ins_c):
+        return
+    gc = torch.autograd.grad(sum(o.sum() for o in outs_c), ins_c, allow_unused=True)
+    gd = torch.autograd.grad(sum(o.sum() for o in outs_d), ins_d, allow_unused=True)
+    assert_close([_cpu(g) for g in gd], list(gc), equal_nan=True, check_device=False,
+                 atol=1e-3 if dtype == torch.float32 else 5e-2, rtol=1e-3 if dtype == torch.float32 else 5e-2)
+
+
+def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None, per_op_seconds: int = 30,
+          progress=None) -> SweepResult:
+    result = SweepResult()
+    signal.signal(signal.SIGALRM, _alarm)
+    warnings.filterwarnings("ignore")
+    for op in op_db:
+        if names and op.name not in names:
+            continue
+        for dtype in dtypes:
+            if dtype not in op.supported_dtypes("cpu"):
+                continue
+            key = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}/{str(dtype)[6:]}"
+            grad = dtype == torch.float32 and op.supports_autograd
+            result.ops_run += 1
+            signal.alarm(per_op_seconds)
+            try:
+                samples = op.sample_inputs("cpu", dtype, requires_grad=grad)
+                for n, sample in enumerate(samples):
+                    if n >= MAX_SAMPLES:
+                        break
+                    try:
+                        check_sample(op, sample, dtype, grad)
+                        result.samples_passed += 1
+                    except _Timeout:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - every failure is recorded by name
+                        result.samples_failed += 1
+                        result.failures.setdefault(key, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            except _Timeout:
+                result.samples_failed += 1
+                result.failures.setdefault(key, "timeout")
+            except Exception as e:  # noqa: BLE001 - sample generation itself failed on CPU
+                result.failures.setdefault(key, f"samples: {type(e).__name__}")
+            finally:
+                signal.alarm(0)
+            if progress:
+                progress(key)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
+    parser.add_argument("--ops", default="")
+    args = parser.parse_args(argv)
+    dtypes = tuple(getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"]))
+    names = set(filter(None, args.ops.split(","))) or None
+    t0 = time.time()
+    res = sweep(dtypes, names)
+    print(f"ops x dtypes: {res.ops_run}, samples passed {res.samples_passed}, failed {res.samples_failed}, "
+          f"pass rate {res.pass_rate:.2%}, {time.time() - t0:.0f}s")
+    kinds = collections.Counter(v.split(":")[0] for v in res.failures.values())
+    print(kinds.most_common(10))
+    for key, err in sorted(res.failures.items()):
+        print(f"{key}\t{err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
