@@ -409,6 +409,7 @@ def matmul(stationary: Tile, moving: Tile, dst: Tile | None = None, *, accumulat
     moving.region()
     dst.region()
     if run.compute:
+        torch.set_num_threads(run.threads)  # the one op big enough to use the host's cores
         a = stationary.float32().reshape(k, m)
         b = moving.float32().reshape(k, n)
         dst.buf.prepare_write()
@@ -420,6 +421,7 @@ def matmul(stationary: Tile, moving: Tile, dst: Tile | None = None, *, accumulat
                 torch.mm(a.T, b, out=out)
         else:
             write(run, dst, a.T @ b, None, accumulate)
+        torch.set_num_threads(1)
     cost = dict(partitions=m, free_elems=n, moving_free=n, contraction=k, dtype=stationary.buf.tdtype)
     reads = [stationary, moving] + ([dst] if accumulate else [])
     if fresh:
@@ -483,7 +485,7 @@ def _dma_runs(t: Tile) -> int:
     return run * t.buf.tdtype.itemsize
 
 
-def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy") -> Tile:
+def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False) -> Tile:
     """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast."""
     run = current()
     if src.buf.kind == "psum" and dst.buf.kind in HBM_KINDS:
@@ -502,10 +504,14 @@ def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy") -> Tile:
         write(run, dst, src.torch(), pred)
     hbm = dst if dst.buf.kind in HBM_KINDS else src
     nbytes = dst.numel() * dst.buf.tdtype.itemsize
-    run.issue("dma", [src], [dst], partitions=min(src.shape[0] if src.shape else 1, 128),
-              free_elems=1, dtype=dst.buf.tdtype, nbytes=nbytes,
-              contiguous_bytes=min(_dma_runs(hbm), nbytes),
-              src=_mem(src), dst=_mem(dst))
+    cost = dict(partitions=min(src.shape[0] if src.shape else 1, 128),
+                free_elems=1, dtype=dst.buf.tdtype, nbytes=nbytes,
+                contiguous_bytes=min(_dma_runs(hbm), nbytes), src=_mem(src), dst=_mem(dst))
+    if fresh:  # nl.load into a new tile: `t[...] = nl.load(...)` retargets the transfer
+        run.issue_value("dma", [src], dst, **cost)
+        run.pending_ranges = ranges
+    else:
+        run.issue("dma", [src], [dst], **cost)
     return dst
 
 
@@ -523,7 +529,7 @@ def partition_major(t: Tile) -> Tile:
     return Tile(t.buf, tuple(t.shape[d] for d in order), t.base, tuple(t.maps[d] for d in order))
 
 
-def memset(dst: Tile, value: float, mask: Any = None) -> Tile:
+def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False) -> Tile:
     run = current()
     full = dst
     dst = partition_major(dst)
@@ -533,8 +539,12 @@ def memset(dst: Tile, value: float, mask: Any = None) -> Tile:
     d.region()
     if run.compute:
         write(run, d, float(scalar_value(value)), pred)
-    run.issue("memset", [], [d], partitions=d.shape[0] if d.shape else 1,
-              free_elems=d.per_partition(), dtype=d.buf.tdtype)
+    cost = dict(partitions=d.shape[0] if d.shape else 1, free_elems=d.per_partition(), dtype=d.buf.tdtype)
+    if fresh:  # initialising a new allocation: scheduled once the allocation is bound
+        run.issue_value("memset", [], d, **cost)
+        run.pending_ranges = ranges
+    else:
+        run.issue("memset", [], [d], **cost)
     return full
 
 

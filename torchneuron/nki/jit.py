@@ -105,6 +105,8 @@ class Kernel:
         scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(ncores - 1)]
         set_current(run)
         result = None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # whole-tile ops are small: thread wake-ups would dominate
         try:
             run.grid = grid if self.grid else ()
             for idx, pid in enumerate(itertools.product(*[range(g) for g in grid])):
@@ -121,6 +123,7 @@ class Kernel:
                               location=traceback_location(e.__traceback__)) from e
         finally:
             set_current(None)
+            torch.set_num_threads(threads)
         latency = max(s.makespan for s in scheds)
         busy: dict = {}
         counts: dict = {}

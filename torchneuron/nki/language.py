@@ -111,8 +111,8 @@ def static_range(*args: int, **kwargs) -> range:
 
 
 def sequential_range(*args: int, **kwargs):
-    """Loop with a carried dependency: allocations inside reuse one buffer per site, so each
-    iteration waits for the previous one's use of it."""
+    """Loop with a carried dependency: iterations run in order on every engine (the
+    compiler may not interleave them); data dependencies are tracked as everywhere."""
     run = current()
     run.flush()
     run.seq_depth += 1
@@ -193,8 +193,10 @@ def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
     t = Tile.whole(run.allocate(kind, dims, tdtype, pdim, 0 if (fill is not None and kind == "psum")
                                 else None if kind in ("sbuf",) else fill, name,
                                 blocks=getattr(buffer, "tiles", None), base=getattr(buffer, "base", None)))
-    if fill is not None and kind in ("sbuf", "psum"):
-        _E.memset(t, fill)
+    if fill is not None and kind == "sbuf" or (kind == "psum" and fill):
+        _E.memset(t, fill, fresh=True)
+    # A zeroed PSUM tile costs nothing: the first matmul accumulating into it starts a new
+    # accumulation group (the compiler drops the memset).
     return t
 
 
@@ -242,7 +244,7 @@ def load(src: Tile, *, mask: Any = None, dtype: Any = None, **kwargs) -> Tile:
         raise NKIError("nl.load needs an HBM tensor (or an indexed part of one)", rule="load")
     tdtype = _dt.to_torch(dtype) if dtype is not None else src.buf.tdtype
     dst = Tile.whole(run.allocate("sbuf", tuple(src.shape), tdtype))
-    _E.dma(dst, src, mask, "nl.load")
+    _E.dma(dst, src, mask, "nl.load", fresh=True)
     return dst
 
 
@@ -283,9 +285,10 @@ def _assign(dst: Tile, value: Any) -> None:
     dst_hbm = dst.buf.kind in ("hbm", "shared_hbm", "private_hbm")
     src_hbm = value.buf.kind in ("hbm", "shared_hbm", "private_hbm")
     if not dst_hbm and not src_hbm and run.retarget(value, dst):
+        if run.pending[0] != "dma":
+            dst.check_tile("assignment destination")
         ranges = run.pending_ranges
         v, d = _E.narrow(value, ranges), _E.narrow(dst, ranges)
-        dst.check_tile("assignment destination")
         _E.same_partitions(dst, value.shape, "assignment")
         run.pending = run.pending[:2] + (d,) + run.pending[3:]
         if run.compute:

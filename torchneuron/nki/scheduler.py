@@ -103,6 +103,7 @@ class Scheduler:
     makespan: float = 0.0
     floor: float = 0.0  # nothing starts before this (kernel start on this core)
     _timelines: dict = field(default_factory=dict)
+    _order: dict = field(default_factory=dict)  # engine -> earliest start (sequential order)
     _acc: dict = field(default_factory=dict)
 
     def issue(self, kind: str, engine: str, busy: float, latency: float, reads, writes,
@@ -129,7 +130,7 @@ class Scheduler:
         tl = self._timelines.get(engine)
         if tl is None:
             tl = self._timelines[engine] = Timeline()
-        start = tl.place(ready, busy)
+        start = tl.place(max(ready, self._order.get(engine, 0.0)), busy)
         end = start + max(latency, busy)
         self.busy[engine] = self.busy.get(engine, 0.0) + busy
         self.counts[engine] = self.counts.get(engine, 0) + 1
@@ -155,6 +156,11 @@ class Scheduler:
         if self.keep_trace:
             self.trace.append(Record(kind, engine, start, end, where))
         return end
+
+    def order_point(self) -> None:
+        """Later instructions start no earlier than each engine's last busy moment."""
+        for eng, tl in self._timelines.items():
+            self._order[eng] = tl.end
 
     def forget(self, key: int) -> None:
         """A buffer died: its accesses can no longer constrain anything."""

@@ -8,7 +8,6 @@ hardware model (`torchneuron.hardware.instructions`) and hands it to the list sc
 """
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -46,11 +45,20 @@ class Pool:
         self.peak = 0
 
     def charge(self, nbytes: int, what: str) -> None:
-        if self.used + nbytes > self.capacity:
-            raise CapacityError(
-                f"{what} needs {nbytes} B per partition but only {self.capacity - self.used} B of "
-                f"{self.name}'s {self.capacity} B per partition are free; {self.hint}", rule=self.rule)
+        """Reserve; a single tile larger than the memory fails here, an over-full memory when
+        the next instruction runs (so a tile replacing one bound to the same name fits)."""
+        if nbytes > self.capacity:
+            raise CapacityError(f"{what} needs {nbytes} B per partition; {self.name} has "
+                                f"{self.capacity} B per partition; {self.hint}", rule=self.rule)
         self.used += nbytes
+        if self.used > self.peak and self.used <= self.capacity:
+            self.peak = self.used
+
+    def check(self) -> None:
+        if self.used > self.capacity:
+            raise CapacityError(
+                f"live {self.name} tiles need {self.used} B per partition, more than the "
+                f"{self.capacity} B available; {self.hint}", rule=self.rule)
         if self.used > self.peak:
             self.peak = self.used
 
@@ -77,13 +85,12 @@ class Run:
         self.shared: dict = {}      # n-th shared_hbm allocation -> Buffer (shared by SPMD instances)
         self.shared_count = 0
         self.seq_depth = 0          # > 0 inside sequential_range
-        self.seq_sites: dict = {}   # allocation site -> physical id reused across iterations
-        self.seq_iter_counts: dict = {}
         self.pending = None         # last value-returning instruction, not yet scheduled
         self.pending_ranges: list = []  # mask narrowing of the pending instruction
         self.cost_cache: dict = {}
         self.instructions = 0
         self.inputs: list[Buffer] = []
+        self.threads = torch.get_num_threads()
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, kind: str, shape: tuple, tdtype: torch.dtype, pdim: int = 0,
@@ -142,28 +149,13 @@ class Run:
         if kind in ("sbuf", "psum"):
             buf.charge = free
             buf.pool = pool
-        if self.seq_depth:
-            self._reuse_physical(buf)
         return buf
 
-    def _reuse_physical(self, buf: Buffer) -> None:
-        # Inside sequential_range the compiler reuses one allocation per site across
-        # iterations, so an iteration's writes wait for the previous iteration's reads.
-        f = sys._getframe(2)
-        while f is not None and f.f_code.co_filename.startswith(_PKG):
-            f = f.f_back
-        site = (id(f.f_code) if f else 0, f.f_lineno if f else 0)
-        n = self.seq_iter_counts.get(site, 0)
-        self.seq_iter_counts[site] = n + 1
-        key = site + (n,)
-        phys = self.seq_sites.get(key)
-        if phys is None:
-            self.seq_sites[key] = buf.id
-        else:
-            buf.id = phys
-
     def new_iteration(self) -> None:
-        self.seq_iter_counts.clear()
+        """A sequential_range iteration starts: it keeps program order on every engine (no
+        instruction of it is placed before the previous iteration's on the same engine)."""
+        self.flush()
+        self.sched.order_point()
 
     # -- instructions -----------------------------------------------------------------------
     def timing(self, kind: str, engine: str = "", **kw) -> tuple:
@@ -187,6 +179,9 @@ class Run:
         """Charge one instruction to its engine and schedule it after its dependencies."""
         if self.pending is not None:
             self.flush()
+        if self.sbuf.used > self.sbuf.capacity or self.psum.used > self.psum.capacity:
+            self.sbuf.check()
+            self.psum.check()
         eng, busy, lat = self.timing(kind, engine, **cost)
         self.instructions += 1
         self.sched.issue(kind, eng, busy, lat,
@@ -218,9 +213,6 @@ class Run:
         self.pending = None
         kind, reads, out, engine, cost = p
         self.issue(kind, reads, [out], engine, **cost)
-
-
-_PKG = __file__.rsplit("/", 1)[0]
 
 
 def _region(t: Tile) -> tuple:
