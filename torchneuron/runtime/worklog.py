@@ -86,31 +86,41 @@ def _nbytes(sig: tuple[torch.dtype, tuple[int, ...]]) -> int:
 
 
 _ELEMENT_SIZE: dict[torch.dtype, int] = {}
-# Bytes of a record that identify its cost: kind, op_id | flags, n_inputs, n_sigs | the signatures
-# (device, stream, aux and host_seconds don't change the price).
-_KEY_COLUMNS = np.r_[0:8, 16:28, 48:RECORD.itemsize]
+# A record as 26 uint64 words; the words that identify its cost are kind|op_id, flags|n_inputs,
+# n_sigs|pad and the signatures (device|stream, aux and host_seconds don't change the price).
+_WORDS = RECORD.itemsize // 8
+_NOT_KEY_WORDS = [1, 4, 5]
+_HASH_MULTIPLIERS = np.arange(_WORDS, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xBF58476D1CE4E5B9)
+_HASH_MULTIPLIERS[_NOT_KEY_WORDS] = 0
 
 
-def _costs(records: np.ndarray) -> list[Any]:
-    """One Cost per op/copy record: each distinct signature is priced once (and cached)."""
-    matrix = records.view(np.uint8).reshape(len(records), RECORD.itemsize)
-    keys = np.ascontiguousarray(matrix[:, _KEY_COLUMNS]).view(np.dtype((np.void, len(_KEY_COLUMNS)))).ravel()
-    unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+def _price_unique(records: np.ndarray) -> tuple[list[Any], np.ndarray]:
+    """Costs of the distinct signatures among op/copy `records` (each priced once, cached) and,
+    per record, the index of its signature. Host fallbacks are priced per record (their host
+    time differs per call) and get their own entries."""
+    words = np.array(records).view(np.uint64).reshape(len(records), _WORDS)
+    words[:, _NOT_KEY_WORDS] = 0
+    with np.errstate(over="ignore"):
+        hashes = (words * _HASH_MULTIPLIERS).sum(axis=1, dtype=np.uint64)
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    if not (words == words[first[inverse]]).all():  # a hash collision: fall back to exact keys
+        keys = words.view(np.dtype((np.void, words.shape[1] * 8))).ravel()
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.ravel()
     priced = []
-    for key, index in zip(unique, first):
-        record = records[index]
-        if int(record["flags"]) & FALLBACK:
-            priced.append(None)  # host time differs per call: priced one by one below
-            continue
-        key_bytes = key.tobytes()
+    for index in first:
+        key_bytes = words[index].tobytes()
         cost = _price_cache.get(key_bytes)
         if cost is None:
-            cost = _price_cache[key_bytes] = _price(record)
+            cost = _price(records[index])
+            if not int(records[index]["flags"]) & FALLBACK:
+                _price_cache[key_bytes] = cost
         priced.append(cost)
-    costs = [priced[i] for i in inverse.ravel()]
     for i in np.flatnonzero(records["flags"] & FALLBACK):
-        costs[i] = _price(records[i])
-    return costs
+        inverse[i] = len(priced)
+        priced.append(_price(records[i]))
+    return priced, inverse
 
 
 def drain() -> None:
@@ -124,36 +134,41 @@ def drain() -> None:
     for hook in _drain_hooks:
         hook(records)
     is_work = records["kind"] <= COPY
-    costs = [None] * len(records)
     work_index = np.flatnonzero(is_work)
-    for i, cost in zip(work_index, _costs(records[work_index])):
-        costs[i] = cost
+    priced, inverse = _price_unique(records if len(work_index) == len(records) else records[work_index])
     if device_timeline.has_listeners():
+        cost_of = dict(zip(work_index.tolist(), inverse.tolist()))
         for i in range(len(records)):
-            _replay(records[i], costs[i], device_timeline)
+            j = cost_of.get(i)
+            _replay(records[i], priced[j] if j is not None else None, device_timeline)
         return
-    # No listener: charge each run of work between control records per stream in bulk.
-    control = np.flatnonzero(~is_work)
+    # No listener: charge each run of work between control records per stream, in bulk.
+    durations = np.zeros(len(records))
+    durations[work_index] = np.array([c.duration_s for c in priced])[inverse]
+    engines = sorted({c.engine for c in priced})
+    engine_of = np.full(len(records), -1)
+    engine_of[work_index] = np.array([engines.index(c.engine) for c in priced])[inverse]
+    lanes = records["device"].astype(np.int64) * 1_000_003 + records["stream"]
+    control = np.flatnonzero(~is_work).tolist()
     begin = 0
-    for stop in list(control) + [len(records)]:
+    for stop in control + [len(records)]:
         if stop > begin:
-            _charge_run(records[begin:stop], costs[begin:stop], device_timeline)
+            _charge_run(records[begin:stop], lanes[begin:stop], durations[begin:stop], engine_of[begin:stop],
+                        engines, device_timeline)
         if stop < len(records):
             _replay(records[stop], None, device_timeline)
         begin = stop + 1
 
 
-def _charge_run(records: np.ndarray, costs: list[Any], device_timeline: Any) -> None:
-    lanes: dict[tuple[int, int], list[Any]] = {}
-    for device, stream, cost in zip(records["device"].tolist(), records["stream"].tolist(), costs):
-        lanes.setdefault((device, stream), []).append(cost)
-    for (device, stream), lane in lanes.items():
-        busy: dict[str, float] = {}
-        total = 0.0
-        for cost in lane:
-            total += cost.duration_s
-            busy[cost.engine] = busy.get(cost.engine, 0.0) + cost.duration_s
-        device_timeline.get_timeline(device).advance(stream, total, busy, len(lane))
+def _charge_run(records: np.ndarray, lanes: np.ndarray, durations: np.ndarray, engine_of: np.ndarray,
+                engines: list[str], device_timeline: Any) -> None:
+    for lane in np.unique(lanes).tolist():
+        mask = lanes == lane
+        first = int(np.argmax(mask))
+        busy = np.bincount(engine_of[mask], weights=durations[mask], minlength=len(engines))
+        device_timeline.get_timeline(int(records["device"][first])).advance(
+            int(records["stream"][first]), float(durations[mask].sum()),
+            {engines[e]: float(b) for e, b in enumerate(busy) if b}, int(mask.sum()))
 
 
 def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:

@@ -499,7 +499,7 @@ void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack
     if (on_host) rec.flags |= kFallback;
     rec.n_inputs = n_inputs;
     rec.n_sigs = n_sigs;
-    for (int s = n_sigs; s < kMaxSigs; ++s) rec.sigs[s].dtype = -1;
+    for (int s = n_sigs; s < kMaxSigs; ++s) fill_sig(rec.sigs[s], Tensor());  // zeroed: records are hashed
     worklog_append(rec, index);
   }
 }
@@ -520,7 +520,7 @@ static void record_copy(const Tensor& src, const Tensor& dst) {
   rec.flags = s && d ? kDeviceToDevice : (d ? kHostToDevice : kDeviceToHost);
   fill_sig(rec.sigs[0], src);
   fill_sig(rec.sigs[1], dst);
-  for (int k = 2; k < kMaxSigs; ++k) rec.sigs[k].dtype = -1;
+  for (int k = 2; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());
   rec.n_inputs = 1;
   rec.n_sigs = 2;
   worklog_append(rec, d ? dst.device().index() : src.device().index());
@@ -583,7 +583,7 @@ static void record_op_on(const char* name, const char* overload, std::initialize
   for (const Tensor* t : outs)
     if (n < kMaxSigs && t->defined()) fill_sig(rec.sigs[n++], *t);
   rec.n_sigs = n;
-  for (int k = n; k < kMaxSigs; ++k) rec.sigs[k].dtype = -1;
+  for (int k = n; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());
   worklog_append(rec, index);
 }
 
