@@ -53,10 +53,14 @@ class KernelStats:
 
 
 def _target(platform_target: str | None) -> Target:
-    if platform_target:
-        name = str(platform_target).lower().replace("gen2", "trn1").replace("gen3", "trn2")
-        if name in TARGETS:
-            return TARGETS[name]
+    """jit(platform_target=...) > $NEURON_PLATFORM_TARGET_OVERRIDE (read per call, as NKI
+    does) > the process target (set_target / $TORCHNEURON_TARGET)."""
+    name = platform_target or os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    if name:
+        name = str(name).lower().replace("gen2", "trn1").replace("gen3", "trn2").replace("gen4", "trn3")
+        if name not in TARGETS:
+            raise ValueError(f"unknown Neuron target {name!r}; supported: {', '.join(TARGETS)}")
+        return TARGETS[name]
     return get_target()
 
 

@@ -14,6 +14,7 @@ The scheduler is online: each instruction is placed as it is issued.
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import product
 from dataclasses import dataclass, field
 
 
@@ -75,12 +76,88 @@ class Timeline:
         return self.ends[-1] if self.ends else 0.0
 
 
+class BoxIndex:
+    """Access records of one buffer: (box, completion) entries bucketed on a grid whose cell
+    is the first box's extent, so tiled access patterns query only nearby entries."""
+
+    __slots__ = ("cell", "cells", "big")
+
+    def __init__(self):
+        self.cell = None
+        self.cells: dict = {}
+        self.big: list = []          # entries spanning many cells, or whole-buffer (box None)
+
+    def _keys(self, box):
+        if box is None or self.cell is None:
+            return None
+        ranges = []
+        count = 1
+        for (lo, hi), c in zip(box, self.cell):
+            r = range(lo // c, hi // c + 1)
+            count *= len(r)
+            if count > 16:
+                return None
+            ranges.append(r)
+        return product(*ranges)
+
+    def add(self, box, end: float) -> None:
+        entry = [box, end, True]
+        if box is not None and self.cell is None:
+            self.cell = tuple(max(1, hi - lo + 1) for lo, hi in box)
+        keys = self._keys(box)
+        if keys is None:
+            self.big.append(entry)
+            return
+        cells = self.cells
+        for k in keys:
+            lst = cells.get(k)
+            if lst is None:
+                cells[k] = [entry]
+            else:
+                lst.append(entry)
+
+    def _candidates(self, box):
+        keys = self._keys(box)
+        if keys is None:
+            for lst in self.cells.values():
+                yield from lst
+        else:
+            cells = self.cells
+            for k in keys:
+                lst = cells.get(k)
+                if lst:
+                    yield from lst
+        yield from self.big
+
+    def latest(self, box, bound: float) -> float:
+        """Max completion over live entries overlapping `box` (at least `bound`)."""
+        for e in self._candidates(box):
+            if e[1] > bound and e[2] and _overlap(box, e[0]):
+                bound = e[1]
+        return bound
+
+    def drop_covered(self, box) -> None:
+        """Entries inside `box` are dominated by a write to `box` (it waited for them)."""
+        if box is None:
+            self.cells.clear()
+            self.big.clear()
+            return
+        keys = self._keys(box)
+        lists = [self.cells.get(k) for k in keys] if keys is not None else list(self.cells.values())
+        for lst in lists + [self.big]:
+            if lst:
+                for e in lst:
+                    if e[2] and _covers(box, e[0]):
+                        e[2] = False
+                lst[:] = [e for e in lst if e[2]]
+
+
 class _Accesses:
     __slots__ = ("writes", "reads")
 
     def __init__(self):
-        self.writes: list = []   # [(box, completion)]
-        self.reads: dict = {}    # box -> latest completion
+        self.writes = BoxIndex()
+        self.reads = BoxIndex()
 
 
 @dataclass
@@ -115,18 +192,11 @@ class Scheduler:
         for key, box in reads:
             a = acc.get(key)
             if a is not None:
-                for wbox, end in a.writes:
-                    if end > ready and _overlap(box, wbox):
-                        ready = end
+                ready = a.writes.latest(box, ready)
         for key, box in writes:
             a = acc.get(key)
             if a is not None:
-                for wbox, end in a.writes:
-                    if end > ready and _overlap(box, wbox):
-                        ready = end
-                for rbox, end in a.reads.items():
-                    if end > ready and _overlap(box, rbox):
-                        ready = end
+                ready = a.reads.latest(box, a.writes.latest(box, ready))
         tl = self._timelines.get(engine)
         if tl is None:
             tl = self._timelines[engine] = Timeline()
@@ -140,19 +210,15 @@ class Scheduler:
             a = acc.get(key)
             if a is None:
                 a = acc[key] = _Accesses()
-            if a.reads.get(box, -1.0) < end:
-                a.reads[box] = end
+            a.reads.add(box, end)
         for key, box in writes:
             a = acc.get(key)
             if a is None:
                 a = acc[key] = _Accesses()
             # records covered by this write are dominated by it (it waited for them)
-            if a.writes:
-                a.writes = [w for w in a.writes if not _covers(box, w[0])]
-            if a.reads:
-                for rbox in [r for r in a.reads if _covers(box, r)]:
-                    del a.reads[rbox]
-            a.writes.append((box, end))
+            a.writes.drop_covered(box)
+            a.reads.drop_covered(box)
+            a.writes.add(box, end)
         if self.keep_trace:
             self.trace.append(Record(kind, engine, start, end, where))
         return end
