@@ -1,0 +1,122 @@
+"""Turns a capture's raw material into DeviceEvents: decoding, source lines, module paths, phases.
+
+This module owns the after-the-fact half of capture: decoding work-log records (dtypes, shapes,
+copy direction, host time of fallbacks), naming the module chain found on the stack
+(`layers.3.mlp`), classifying the phase (forward, backward, optimizer) and giving backward work
+the module and forward source line of the op that created its autograd node.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from torchneuron.hardware.targets import get_target
+from torchneuron.profiler.capture import DeviceEvent, category_of, module_path, op_base_name
+from torchneuron.runtime import worklog
+
+if TYPE_CHECKING:
+    from torchneuron.profiler.capture import DeviceCapture
+
+_DTYPE_NAMES = {
+    "float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64", "int32": "i32",
+    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "b1", "complex64": "c64", "complex128": "c128",
+}
+
+
+def _short_dtype(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(name, name)
+
+
+def decode_record(blob: bytes) -> dict[str, Any]:
+    """The fields of one raw work-log record that the profiler reports."""
+    rec = np.frombuffer(blob, dtype=worklog.RECORD)[0]
+    flags, n_sigs, n_inputs = int(rec["flags"]), int(rec["n_sigs"]), int(rec["n_inputs"])
+    sigs = []
+    for i in range(n_sigs):
+        if int(rec["sigs"][i]["dtype"]) < 0:
+            continue
+        dtype, shape = worklog._signature(rec["sigs"][i])
+        sigs.append((i < n_inputs, _short_dtype(dtype), shape))
+    ins = [f"{d}{list(s)}" for is_in, d, s in sigs if is_in]
+    outs = [f"{d}{list(s)}" for is_in, d, s in sigs if not is_in]
+    copy_kind = ""
+    if int(rec["kind"]) == worklog.COPY:
+        copy_kind = "d2d" if flags & worklog.DEVICE_TO_DEVICE else ("h2d" if flags & worklog.HOST_TO_DEVICE else "d2h")
+    return {
+        "fallback": bool(flags & worklog.FALLBACK),
+        "host_fallback_us": float(rec["host_seconds"]) * 1e6 if flags & worklog.FALLBACK else 0.0,
+        "copy_kind": copy_kind,
+        "dtype": sigs[0][1] if sigs else "",
+        "shapes": ", ".join(ins) + (" -> " + ", ".join(outs) if outs else ""),
+    }
+
+
+def _source(where: tuple | None) -> tuple[str, int, str]:
+    if where is None or where[0] is None:
+        return "", 0, ""
+    code, line = where[0], where[1]
+    return code.co_filename, int(line), getattr(code, "co_qualname", code.co_name)
+
+
+def _kind(meta: dict | None, name: str) -> str:
+    kind = (meta or {}).get("kind", "")
+    if kind:
+        return str(kind)
+    lowered = name.lower()
+    for word in ("collective", "nki", "fused", "graph"):
+        if word in lowered:
+            return word
+    return "other"
+
+
+def build_events(capture: "DeviceCapture", raw: list[tuple]) -> list[DeviceEvent]:
+    """DeviceEvents, in the order the work was charged, from a capture's raw entries."""
+    launch_us = get_target().kernel_launch_s * 1e6
+    events: list[DeviceEvent] = []
+    forward_of_seq: dict[int, tuple[str, str, str]] = {}
+    backward: list[tuple[DeviceEvent, int]] = []
+    for index, (entry, blob, context) in enumerate(raw):
+        meta = entry.meta
+        decoded = decode_record(blob) if blob is not None else {}
+        kind = _kind(meta, entry.name)
+        category = category_of(kind, entry.name)
+        where, t_ns, thread, node, seq = context if context is not None else (None, capture.start_ns, 0, "", -1)
+        file, line, function = _source(where)
+        inner, outer, optim = (where[2], where[3], where[4]) if where is not None else (None, None, False)
+        if node:
+            phase = "backward"
+        elif optim:
+            phase = "optimizer"
+        elif inner is not None:
+            phase = "forward"
+        else:
+            phase = "other"
+        origin = capture.origins.get(entry.device, 0.0)
+        cost = entry.cost
+        extra = {k: v for k, v in meta.items() if k not in ("kind", "fallback")} if meta else None
+        ev = DeviceEvent(
+            id=index, device=entry.device, stream=entry.stream, kind=kind, name=entry.name,
+            op=op_base_name(entry.name), category=category, engine=cost.engine, bound=cost.bound,
+            start_us=(entry.start_s - origin) * 1e6, duration_us=(entry.end_s - entry.start_s) * 1e6,
+            flops=float(cost.flops), bytes=float(cost.bytes),
+            fallback=bool(decoded.get("fallback", cost.fallback)),
+            host_fallback_us=decoded.get("host_fallback_us", 0.0),
+            launch_us=launch_us if kind == "op" and category != "scalar_read" else 0.0,
+            copy_kind=decoded.get("copy_kind", str((meta or {}).get("copy_kind", ""))),
+            dtype=decoded.get("dtype", ""), shapes=decoded.get("shapes", ""),
+            source_file=file, source_line=line, source_function=function,
+            module_path=module_path(inner, outer), module_type=type(inner).__name__ if inner is not None else "",
+            phase=phase, autograd_node=node, forward_source="",
+            host_time_us=(t_ns - capture.start_ns) / 1e3, thread=thread, meta=extra or None)
+        if phase == "backward":
+            backward.append((ev, seq))
+        elif seq >= 0 and file and seq not in forward_of_seq:
+            forward_of_seq[seq] = (ev.module_path, ev.module_type, f"{file}:{line}:{function}")
+        events.append(ev)
+    for ev, seq in backward:
+        found = forward_of_seq.get(seq)
+        if found is not None:
+            ev.module_path, ev.module_type, ev.forward_source = found
+    return events
