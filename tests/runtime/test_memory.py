@@ -53,3 +53,11 @@ def test_storage_and_resize():
     t.resize_(100)
     t[50] = 3.0
     assert t.shape == (100,) and t[50].item() == 3.0
+
+
+def test_reading_a_freed_storage_is_a_clear_error():
+    x = torch.ones(4, device="neuron")
+    x.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="storage was freed or resized"):
+        x + 1
+    assert (torch.ones(2, device="neuron") * 2).tolist() == [2.0, 2.0]

@@ -76,9 +76,25 @@ static inline c10::DataPtr cpu_data_of(c10::StorageImpl* st) {
 // kernels "neuron" intermediates. VIEW-constructed with key set {CPU}: no autograd, no version
 // counter: the caller is below autograd.
 static c10::Allocator* g_cpu_allocator = nullptr;
+
+// A kernel must never read past a storage: a storage freed (resize_(0)) or shrunk under a tensor
+// that still points into it is a user error, reported instead of reading stray host memory.
+static void check_extent(const c10::TensorImpl* t, const c10::StorageImpl* st) {
+  if (t->numel() == 0) return;
+  int64_t last = t->storage_offset();
+  const auto sizes = t->sizes();
+  const auto strides = t->strides();
+  for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+  const uint64_t need = static_cast<uint64_t>(last + 1) * t->itemsize();
+  TORCH_CHECK(need <= st->nbytes(), "neuron: this tensor reads ", need, " bytes of a storage that now holds ",
+              st->nbytes(), " (the storage was freed or resized after the tensor was made). Keep the storage "
+              "alive, or re-create the tensor from data that still exists.");
+}
+
 static Tensor cpu_alias(const Tensor& t) {
   c10::TensorImpl* src = t.unsafeGetTensorImpl();
   c10::StorageImpl* st = storage_of(t);
+  check_extent(src, st);
   auto cst = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
                                                    c10::SymInt(static_cast<int64_t>(st->nbytes())), cpu_data_of(st),
                                                    g_cpu_allocator, /*resizable=*/true);
