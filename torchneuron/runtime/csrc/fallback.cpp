@@ -523,23 +523,34 @@ void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack
 // ---------------------------------------------------------------------------------------------
 // Kernels that have no CPU counterpart to fall back to
 // ---------------------------------------------------------------------------------------------
-static void record_copy(const Tensor& src, const Tensor& dst) {
-  if (!worklog_enabled()) return;
-  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+// Appends one record for work done by a kernel of our own (not the fallback).
+static void record_work(WorkKind kind, const c10::OperatorHandle& op, int32_t flags,
+                        std::initializer_list<const Tensor*> inputs, std::initializer_list<const Tensor*> outputs,
+                        DeviceIndex index) {
   WorkRecord rec;
-  rec.kind = static_cast<int32_t>(WorkKind::kCopy);
-  rec.op_id = op_id_of(handle);
+  rec.kind = static_cast<int32_t>(kind);
+  rec.op_id = op_id_of(op);
+  rec.flags = flags;
   rec.aux = 0;
   rec.host_seconds = 0;
   rec.pad = 0;
+  int n = 0;
+  for (const Tensor* t : inputs)
+    if (n < kMaxSigs - 1 && t->defined()) fill_sig(rec.sigs[n++], *t);
+  rec.n_inputs = n;
+  for (const Tensor* t : outputs)
+    if (n < kMaxSigs && t->defined()) fill_sig(rec.sigs[n++], *t);
+  rec.n_sigs = n;
+  for (int k = n; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());  // zeroed: records are hashed
+  worklog_append(rec, index);
+}
+
+static void record_copy(const Tensor& src, const Tensor& dst) {
+  if (!worklog_enabled()) return;
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
   const bool s = is_neuron(src), d = is_neuron(dst);
-  rec.flags = s && d ? kDeviceToDevice : (d ? kHostToDevice : kDeviceToHost);
-  fill_sig(rec.sigs[0], src);
-  fill_sig(rec.sigs[1], dst);
-  for (int k = 2; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());
-  rec.n_inputs = 1;
-  rec.n_sigs = 2;
-  worklog_append(rec, d ? dst.device().index() : src.device().index());
+  const int32_t flags = s && d ? kDeviceToDevice : (d ? kHostToDevice : kDeviceToHost);
+  record_work(WorkKind::kCopy, handle, flags, {&src}, {&dst}, d ? dst.device().index() : src.device().index());
 }
 
 static void check_copy_devices(const Tensor& src, const Tensor& dst) {
@@ -584,23 +595,7 @@ Tensor& neuron_set_empty(Tensor& self) {
 static void record_op_on(const char* name, const char* overload, std::initializer_list<const Tensor*> ins,
                          std::initializer_list<const Tensor*> outs, DeviceIndex index) {
   if (!worklog_enabled()) return;
-  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
-  WorkRecord rec;
-  rec.kind = static_cast<int32_t>(WorkKind::kOp);
-  rec.op_id = op_id_of(handle);
-  rec.flags = 0;
-  rec.aux = 0;
-  rec.host_seconds = 0;
-  rec.pad = 0;
-  int n = 0;
-  for (const Tensor* t : ins)
-    if (n < kMaxSigs - 1 && t->defined()) fill_sig(rec.sigs[n++], *t);
-  rec.n_inputs = n;
-  for (const Tensor* t : outs)
-    if (n < kMaxSigs && t->defined()) fill_sig(rec.sigs[n++], *t);
-  rec.n_sigs = n;
-  for (int k = n; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());
-  worklog_append(rec, index);
+  record_work(WorkKind::kOp, c10::Dispatcher::singleton().findSchemaOrThrow(name, overload), 0, ins, outs, index);
 }
 
 static void check_same_neuron_device(std::initializer_list<const Tensor*> ts) {
