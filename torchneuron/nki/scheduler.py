@@ -77,34 +77,52 @@ class Timeline:
 
 
 class BoxIndex:
-    """Access records of one buffer: (box, completion) entries bucketed on a grid whose cell
-    is the first box's extent, so tiled access patterns query only nearby entries."""
+    """Access records of one buffer: [box, completion, live] entries. Few entries are kept
+    in a flat list; past `FLAT` they are bucketed on a grid whose cell is the first box's
+    extent, so tiled access patterns query only nearby entries."""
 
-    __slots__ = ("cell", "cells", "big")
+    __slots__ = ("flat", "cell", "cells", "big")
+    FLAT = 24
 
     def __init__(self):
+        self.flat: list | None = []
         self.cell = None
         self.cells: dict = {}
-        self.big: list = []          # entries spanning many cells, or whole-buffer (box None)
+        self.big: list = []          # grid mode: entries spanning many cells or the whole buffer
 
     def _keys(self, box):
-        if box is None or self.cell is None:
+        if box is None:
             return None
+        cell = self.cell
         ranges = []
         count = 1
-        for (lo, hi), c in zip(box, self.cell):
-            r = range(lo // c, hi // c + 1)
-            count *= len(r)
+        for (lo, hi), c in zip(box, cell):
+            a, b = lo // c, hi // c
+            count *= b - a + 1
             if count > 16:
                 return None
-            ranges.append(r)
+            ranges.append(range(a, b + 1))
         return product(*ranges)
 
     def add(self, box, end: float) -> None:
         entry = [box, end, True]
-        if box is not None and self.cell is None:
-            self.cell = tuple(max(1, hi - lo + 1) for lo, hi in box)
-        keys = self._keys(box)
+        flat = self.flat
+        if flat is not None:
+            flat.append(entry)
+            if len(flat) > self.FLAT:
+                self._to_grid()
+            return
+        self._insert(entry)
+
+    def _to_grid(self) -> None:
+        entries, self.flat = self.flat, None
+        first = next((e[0] for e in entries if e[0] is not None), None)
+        self.cell = tuple(max(1, hi - lo + 1) for lo, hi in first) if first else None
+        for e in entries:
+            self._insert(e)
+
+    def _insert(self, entry) -> None:
+        keys = self._keys(entry[0]) if self.cell is not None else None
         if keys is None:
             self.big.append(entry)
             return
@@ -116,39 +134,40 @@ class BoxIndex:
             else:
                 lst.append(entry)
 
-    def _candidates(self, box):
-        keys = self._keys(box)
+    def _lists(self, box) -> list:
+        if self.flat is not None:
+            return [self.flat]
+        keys = self._keys(box) if self.cell is not None else None
         if keys is None:
-            for lst in self.cells.values():
-                yield from lst
-        else:
-            cells = self.cells
-            for k in keys:
-                lst = cells.get(k)
-                if lst:
-                    yield from lst
-        yield from self.big
+            return list(self.cells.values()) + [self.big]
+        cells = self.cells
+        out = [self.big]
+        for k in keys:
+            lst = cells.get(k)
+            if lst:
+                out.append(lst)
+        return out
 
     def latest(self, box, bound: float) -> float:
         """Max completion over live entries overlapping `box` (at least `bound`)."""
-        for e in self._candidates(box):
-            if e[1] > bound and e[2] and _overlap(box, e[0]):
-                bound = e[1]
+        for lst in self._lists(box):
+            for e in lst:
+                if e[1] > bound and e[2] and _overlap(box, e[0]):
+                    bound = e[1]
         return bound
 
     def drop_covered(self, box) -> None:
         """Entries inside `box` are dominated by a write to `box` (it waited for them)."""
         if box is None:
-            self.cells.clear()
-            self.big.clear()
+            self.flat, self.cell, self.cells, self.big = [], None, {}, []
             return
-        keys = self._keys(box)
-        lists = [self.cells.get(k) for k in keys] if keys is not None else list(self.cells.values())
-        for lst in lists + [self.big]:
-            if lst:
-                for e in lst:
-                    if e[2] and _covers(box, e[0]):
-                        e[2] = False
+        for lst in self._lists(box):
+            dead = False
+            for e in lst:
+                if e[2] and _covers(box, e[0]):
+                    e[2] = False
+                    dead = True
+            if dead:
                 lst[:] = [e for e in lst if e[2]]
 
 

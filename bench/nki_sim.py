@@ -1,0 +1,80 @@
+"""NKI simulator speed: a 2048x2048x2048 bf16 fully blocked matmul kernel, simulated with
+values (every instruction executed on the host and scheduled), against torch.matmul of the
+same size on the same host. Prints the machine, both wall times and their ratio (goal: the
+simulation within 5x of the plain matmul), the kernel's modeled latency, and the wall time
+of a timing-only run (typed placeholders) of the tutorial-sized 8192x4096x8192 kernel.
+
+    python bench/nki_sim.py [--size 2048] [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+import torchneuron.nki as nki
+import torchneuron.nki.language as nl
+import torchneuron.nki.typing as nt
+from torchneuron.kernels.matmul import matmul_fully_blocked
+
+
+def _best(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    n = args.size
+    print(f"machine: {platform.machine()} {_cpu_model()}, {os.cpu_count()} cpus, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
+    torch.manual_seed(0)
+    a_t = torch.randn(n, n).bfloat16()
+    b = torch.randn(n, n).bfloat16()
+    a = a_t.T.contiguous()
+
+    t_torch = _best(lambda: torch.matmul(a, b), args.repeat)
+    t_sim = _best(lambda: matmul_fully_blocked(a_t, b), args.repeat)
+    stats = matmul_fully_blocked.last_stats
+    out = matmul_fully_blocked(a_t, b)
+    err = (out.float() - torch.matmul(a.float(), b.float())).abs().max().item()
+    print(f"torch.matmul {n}^3 bf16 (host):        {t_torch * 1e3:9.2f} ms")
+    print(f"NKI simulation, fully blocked matmul:  {t_sim * 1e3:9.2f} ms  ({stats.instructions} instructions, "
+          f"max |err| vs fp32 {err:.3g})")
+    print(f"ratio simulation / torch.matmul:       {t_sim / t_torch:9.2f}x  (goal <= 5x)")
+    print(f"modeled latency on {stats.target}:               {stats.latency_us:9.1f} us  "
+          f"(utilisation {', '.join(f'{k} {v:.0%}' for k, v in sorted(stats.utilisation.items()))})")
+
+    bench = nki.benchmark(matmul_fully_blocked)
+    t0 = time.perf_counter()
+    bench(nt.tensor[[8192, 4096], nl.bfloat16], nt.tensor[[8192, 8192], nl.bfloat16])
+    wall = time.perf_counter() - t0
+    res = bench.benchmark_result
+    print(f"timing-only 8192x4096x8192: {res.stats.instructions} instructions in {wall:.2f} s wall, "
+          f"modeled p50 {res.nc_latency.get_latency_percentile(50):.0f} us")
+
+
+if __name__ == "__main__":
+    main()
