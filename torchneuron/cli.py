@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # name -> module providing add_arguments(parser) and run(args) -> int
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "explorer": "torchneuron.profiler.explorer_cli",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
