@@ -95,3 +95,40 @@ def transpose(x):
             t = nisa.nc_transpose(blk)
             nl.store(out[j * P:(j + 1) * P, i * P:(i + 1) * P], value=nl.copy(t, dtype=x.dtype))
     return out
+
+
+@nki.jit
+def rmsnorm_bwd(x, weight, grad, eps: float = 1e-6):
+    """Gradients of rmsnorm: with r = rsqrt(mean(x^2) + eps) and u = grad * weight,
+    dx = r * u - x * r^3 * mean(u * x) (per row), dw = sum over rows of grad * x * r (a
+    partition-axis sum, done on the Tensor engine as ones^T @ (grad * x * r))."""
+    rows, cols = x.shape
+    dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    dw = nl.ndarray((1, cols), dtype=weight.dtype, buffer=nl.shared_hbm)
+    w = nl.load(weight.reshape((1, cols))).broadcast_to((P, cols))
+    ones = nl.full((P, 1), 1.0, dtype=nl.float32)
+    chunk = nl.tile_size.gemm_moving_fmax
+    n_chunks = (cols + chunk - 1) // chunk
+    dw_acc = nl.zeros((1, cols), dtype=nl.float32)
+    for t in nl.sequential_range((rows + P - 1) // P):
+        n = min(P, rows - t * P)
+        xt = nl.load(x[t * P:t * P + n, :], dtype=nl.float32)
+        gt = nl.load(grad[t * P:t * P + n, :], dtype=nl.float32)
+        ss = nl.ndarray((n, 1), dtype=nl.float32)
+        nisa.activation(op=nl.square, data=xt, reduce_op=nl.add, reduce_res=ss)
+        r = nl.rsqrt(nisa.tensor_scalar(ss, nl.multiply, 1.0 / cols, op1=nl.add, operand1=eps))
+        u = nl.multiply(gt, w[0:n, :])
+        ux = nl.ndarray((n, 1), dtype=nl.float32)
+        prod = nl.multiply(u, xt)
+        ux[...] = nl.sum(prod, axis=1, keepdims=True)
+        coef = nl.multiply(nl.multiply(nl.multiply(r, r), r), nl.multiply(ux, 1.0 / cols))
+        dx_t = nisa.scalar_tensor_tensor(data=u, op0=nl.multiply, operand0=r, op1=nl.subtract,
+                                         operand1=nisa.tensor_scalar(xt, nl.multiply, coef))
+        nl.store(dx[t * P:t * P + n, :], value=nl.copy(dx_t, dtype=x.dtype))
+        gxr = nisa.tensor_scalar(nl.multiply(gt, xt), nl.multiply, r)
+        for c in nl.affine_range(n_chunks):
+            c0, c1 = c * chunk, min(cols, (c + 1) * chunk)
+            part = nisa.nc_matmul(ones[0:n, :], gxr[:, c0:c1])
+            dw_acc[:, c0:c1] = nl.add(dw_acc[:, c0:c1], part)
+    nl.store(dw, value=nl.copy(dw_acc, dtype=weight.dtype))
+    return dx, dw

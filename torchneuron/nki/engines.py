@@ -422,6 +422,7 @@ def matmul(stationary: Tile, moving: Tile, dst: Tile | None = None, *, accumulat
         else:
             write(run, dst, a.T @ b, None, accumulate)
         torch.set_num_threads(1)
+    run.flops += 2.0 * k * m * n
     cost = dict(partitions=m, free_elems=n, moving_free=n, contraction=k, dtype=stationary.buf.tdtype)
     reads = [stationary, moving] + ([dst] if accumulate else [])
     if fresh:
@@ -504,6 +505,7 @@ def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: b
         write(run, dst, src.torch(), pred)
     hbm = dst if dst.buf.kind in HBM_KINDS else src
     nbytes = dst.numel() * dst.buf.tdtype.itemsize
+    run.hbm_bytes += nbytes * ((src.buf.kind in HBM_KINDS) + (dst.buf.kind in HBM_KINDS))
     cost = dict(partitions=min(src.shape[0] if src.shape else 1, 128),
                 free_elems=1, dtype=dst.buf.tdtype, nbytes=nbytes,
                 contiguous_bytes=min(_dma_runs(hbm), nbytes), src=_mem(src), dst=_mem(dst))

@@ -41,6 +41,8 @@ class KernelStats:
     sbuf_peak_bytes: int = 0
     psum_peak_bytes: int = 0
     trace: list = field(default_factory=list)
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
 
     @property
     def latency_us(self) -> float:
@@ -138,7 +140,7 @@ class Kernel:
                 counts[k] = counts.get(k, 0) + v
         stats = KernelStats(run.target.name, latency, run.instructions, busy, counts,
                             run.sbuf.peak, run.psum.peak,
-                            [r for s in scheds for r in s.trace])
+                            [r for s in scheds for r in s.trace], run.flops, run.hbm_bytes)
         self.last_stats = stats
         parent = getattr(self, "_parent", None)
         if parent is not None:
@@ -186,8 +188,8 @@ class Kernel:
 
     def _unwrap(self, result: Any, want_numpy: bool, run: Run) -> Any:
         if isinstance(result, Tile):
-            if not run.compute:
-                return None
+            if not run.compute:  # timing-only: outputs are placeholders of their shape and dtype
+                return TensorType(result.shape, result.dtype)
             t = result.torch()
             if result.buf.orig is not None and result.is_whole:
                 t = result.buf.orig

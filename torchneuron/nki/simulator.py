@@ -91,6 +91,8 @@ class Run:
         self.instructions = 0
         self.inputs: list[Buffer] = []
         self.threads = torch.get_num_threads()
+        self.flops = 0.0       # Tensor-engine work (2*K*M*N per matmul)
+        self.hbm_bytes = 0.0   # bytes DMA moved to or from HBM
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, kind: str, shape: tuple, tdtype: torch.dtype, pdim: int = 0,
