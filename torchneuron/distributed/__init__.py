@@ -1,0 +1,51 @@
+"""torchneuron.distributed: the c10d backend `neuron`, and running PyTorch's parallelism on it.
+
+`register()` (run when torchneuron is imported; `import torch` already imports torch.distributed, so it
+costs only this package's import) makes `neuron` a c10d backend and the default one of the neuron
+device: `init_process_group("neuron")`, or plain `init_process_group()` when the accelerator is neuron,
+e.g. under `torchrun --nproc-per-node N`. The default group also makes `local_device()` current:
+neuron:<LOCAL_RANK>, shared round-robin when the host has fewer logical cores than local ranks.
+
+Collectives run over gloo on zero-copy host views of device memory and are charged to the device
+timeline on a communication stream (overlap with compute shows in modeled time). DDP, FSDP2,
+DTensor/tensor parallelism, pipelining, functional collectives and distributed checkpointing use the
+backend unchanged; `simple_fsdp` adds SimpleFSDP-style sharding that torch.compile can trace.
+
+Modules: process_group (the c10d interface), collectives (host data movement), host (host buffers,
+reduce ops), checks (cross-rank agreement, clear errors), work (Work objects, device timeline),
+dispatch (c10d C++ ops routed to Python), launch (local ranks, `spawn`), parallel (helpers).
+Environment: TORCHNEURON_DIST_CHECKS=0 skips the per-collective cross-rank check.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from torchneuron.distributed.checks import CollectiveMismatchError
+from torchneuron.distributed.launch import RankFailed, free_port, local_device, select_local_device, spawn
+from torchneuron.distributed.process_group import NeuronProcessGroup
+
+_registered = False
+
+
+def _create_process_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
+    from torchneuron.distributed import dispatch
+
+    dispatch.install()
+    if not dist.is_initialized():  # the default group: put this rank on its device
+        select_local_device()
+    return NeuronProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Registers the `neuron` c10d backend, default for neuron tensors (idempotent)."""
+    global _registered
+    if _registered or not dist.is_available():
+        return
+    dist.Backend.register_backend("neuron", _create_process_group, devices=["neuron", "cpu"])
+    _registered = True
+
+
+__all__ = ["CollectiveMismatchError", "NeuronProcessGroup", "RankFailed", "free_port", "local_device", "register",
+           "select_local_device", "spawn"]
