@@ -20,6 +20,10 @@ from torchneuron.runtime import register as _register  # noqa: E402
 
 _register()
 
+from torchneuron.distributed import register as _register_distributed  # noqa: E402
+
+_register_distributed()  # the c10d backend "neuron" (torch.distributed is already imported by torch)
+
 from torchneuron.hardware import get_target, set_target  # noqa: E402
 from torchneuron.ops.policy import fallback_counts, reset_fallback_counts, set_strict  # noqa: E402
 from torchneuron.runtime.memory import set_capacity as set_memory_capacity  # noqa: E402
