@@ -12,6 +12,7 @@ missing is skipped and named in `Analysis.problems`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,26 +172,39 @@ def _copies(a: Analysis, ev: pd.DataFrame, total: float) -> None:
     a.findings.append(Finding("host_copies", "Host<->device copies", t, t / total, detail, fix, _top_where(copies)))
 
 
-def _chains(a: Analysis, ev: pd.DataFrame, launch_us: float) -> list[list[int]]:
-    """Runs of >= CHAIN_MIN eager elementwise kernels back to back on one stream."""
+_SIGNATURE = re.compile(r"\w+\[[^\]]*\]")
+
+
+def _signature_lists(shapes: str) -> tuple[list[str], list[str]]:
+    """"f32[8, 8], i64[] -> f32[8, 8]" -> (["f32[8, 8]", "i64[]"], ["f32[8, 8]"])."""
+    ins, _, outs = shapes.partition(" -> ")
+    return _SIGNATURE.findall(ins), _SIGNATURE.findall(outs)
+
+
+def _chains(ev: pd.DataFrame) -> list[list[int]]:
+    """Runs of >= CHAIN_MIN eager elementwise kernels back to back on one stream, each consuming a
+    tensor of the shape the previous one produced (a proxy for the data dependence)."""
     eligible = (ev["kind"] == "op") & ev["category"].isin(ELEMENTWISE) & ~ev["fallback"].astype(bool)
     chains: list[list[int]] = []
     for _, lane in ev.sort_values("start_us").groupby(["device", "stream", "cycle"]):
         run: list[int] = []
-        for idx, ok in zip(lane.index, eligible.loc[lane.index]):
-            if ok:
+        produced: list[str] = []
+        for idx, ok, shapes in zip(lane.index, eligible.loc[lane.index], lane["shapes"]):
+            ins, outs = _signature_lists(shapes)
+            if ok and run and set(produced) & set(ins):
                 run.append(idx)
-                continue
-            if len(run) >= CHAIN_MIN:
-                chains.append(run)
-            run = []
+            else:
+                if len(run) >= CHAIN_MIN:
+                    chains.append(run)
+                run = [idx] if ok else []
+            produced = outs
         if len(run) >= CHAIN_MIN:
             chains.append(run)
     return chains
 
 
 def _unfused(a: Analysis, ev: pd.DataFrame, total: float, launch_us: float) -> None:
-    chains = _chains(a, ev, launch_us)
+    chains = _chains(ev)
     if not chains:
         return
     spent = saving = 0.0

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile = read_profile(args.profile_dir)
     except ProfileError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 2
     analysis = analyse(profile, top=args.top)
     render(analysis, console, path=args.profile_dir)

@@ -92,6 +92,8 @@ def _stop_trace(original: Callable) -> Callable:
         finally:
             if capture is not None:
                 capture.stop()
+        if self.profiler is not None:
+            self.profiler._torchneuron_host_trace = None  # a new Kineto result
         if capture is not None and self.profiler is not None:
             if not hasattr(self.profiler, "_torchneuron_captures") or not self.acc_events:
                 self.profiler._torchneuron_captures = []
@@ -118,15 +120,23 @@ def _export_chrome_trace(original: Callable) -> Callable:
         captures = captures_of(self)
         if not captures:
             return original(self, path, *args, **kwargs)
-        self.events()  # links device events to host ops (for flow arrows)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(os.path.abspath(path)) or None)
-        os.close(fd)
         try:
-            result = original(self, tmp, *args, **kwargs)
-            save_json(merge_device_tracks(load_json(tmp), captures), path)
-        finally:
-            if os.path.exists(tmp):
+            self.events()  # links device events to host ops (for flow arrows)
+        except RuntimeError:  # trace_only profiles have no events: no flow arrows
+            pass
+        # Kineto saves a result once; keep the host trace so later exports (and export_profile) work
+        host = getattr(self.profiler, "_torchneuron_host_trace", None)
+        result = None
+        if host is None:
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(os.path.abspath(path)) or None)
+            os.close(fd)
+            try:
+                result = original(self, tmp, *args, **kwargs)
+                host = self.profiler._torchneuron_host_trace = load_json(tmp)
+            finally:
                 os.remove(tmp)
+        merged = dict(host, traceEvents=list(host.get("traceEvents", [])))
+        save_json(merge_device_tracks(merged, captures), path)
         return result
     return export_chrome_trace
 

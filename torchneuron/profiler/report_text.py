@@ -45,7 +45,7 @@ def render(analysis: Analysis, console: Console | None = None, path: str = "") -
             + (f", peak memory {_fmt_bytes(o['peak_memory_bytes'])}" if o.get("peak_memory_bytes", -1) >= 0 else ""),
             title="neuron profile (modeled device time)"))
     for problem in analysis.problems:
-        console.print(f"[yellow]note:[/yellow] {problem}")
+        console.print(f"[yellow]note:[/yellow] {problem}", highlight=False, soft_wrap=True)
     if analysis.findings:
         console.rule("Findings (most device time first)")
         for i, f in enumerate(analysis.findings, 1):

@@ -403,15 +403,18 @@ def write_profile(prof: Any, path: str, *, trace: bool = True) -> str:
         pq.write_table(_table(name, rows), file + ".tmp")
         os.replace(file + ".tmp", file)
         written[name] = {"file": f"{name}.parquet", "rows": len(rows)}
-    notes = []
+    notes: list[str] = []
     if trace:
         from torchneuron.profiler.trace import write_trace
 
         trace_path = os.path.join(path, "trace.json")
-        if hasattr(prof, "export_chrome_trace") and not isinstance(prof, DeviceCapture):
+        try:
+            if not hasattr(prof, "export_chrome_trace") or isinstance(prof, DeviceCapture):
+                raise RuntimeError("no host trace")
             prof.export_chrome_trace(trace_path)
-        else:
+        except RuntimeError as e:
             write_trace(trace_path, captures)
+            notes.append(f"trace.json has the device tracks only (host trace unavailable: {e})")
     dropped = sum(c.dropped for c in captures)
     if dropped:
         notes.append(f"{dropped} device events were not recorded (TORCHNEURON_PROFILER_MAX_EVENTS="

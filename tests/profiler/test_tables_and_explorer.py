@@ -1,0 +1,144 @@
+"""The profile directory (Parquet tables, schema, manifest, trace) and the explorer: planted
+bottlenecks are found, damaged directories are reported and still analysed."""
+import json
+import os
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+from rich.console import Console
+
+import torchneuron.profiler as neuron_profiler
+from torchneuron.profiler.analysis import analyse
+from torchneuron.profiler.capture import DeviceCapture
+from torchneuron.profiler.explorer_cli import main as explorer
+from torchneuron.profiler.report_text import render
+from torchneuron.profiler.tables import SCHEMA, read_profile
+
+from .conftest import here, run_profiled
+
+LINES: dict[str, int] = {}
+
+
+def planted_program():
+    x = torch.randn(128, 128, device="neuron")
+    big = torch.randn(1024, 1024, device="neuron")
+    for _ in range(2):
+        LINES["fallback"] = here() + 1
+        x.double().sum()                          # float64: runs on the host
+        LINES["chain"] = here() + 1
+        ((x * 2 + 1).relu() - 3).sigmoid()        # five eager elementwise kernels in a row
+        LINES["memory"] = here() + 1
+        big.mul(big)                              # streams 12 MiB for 1M FLOPs
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    prof = run_profiled(planted_program, profile_memory=True)
+    path = str(tmp_path_factory.mktemp("profiles") / "planted")
+    neuron_profiler.export_profile(prof, path)
+    return prof, path
+
+
+def test_directory_holds_every_table_with_its_schema(planted):
+    prof, path = planted
+    with open(os.path.join(path, "schema.json")) as f:
+        schema = json.load(f)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["complete"] and set(manifest["tables"]) == set(SCHEMA) == set(schema["tables"])
+    for name, spec in schema["tables"].items():
+        df = pd.read_parquet(os.path.join(path, f"{name}.parquet"))
+        assert list(df.columns) == [c["name"] for c in spec["columns"]]
+        assert len(df) == manifest["tables"][name]["rows"]
+        assert all(c["description"] for c in spec["columns"])
+    events = pd.read_parquet(os.path.join(path, "events.parquet"))
+    device = neuron_profiler.device_events(prof)
+    assert len(events) == len(device) and events["duration_us"].tolist() == [e.duration_us for e in device]
+    assert events["end_us"].tolist() == pytest.approx((events["start_us"] + events["duration_us"]).tolist())
+    summary = pd.read_parquet(os.path.join(path, "summary.parquet")).iloc[0]
+    assert summary["events"] == len(device) and summary["target"] == "trn2"
+    assert summary["device_time_us"] == pytest.approx(events["duration_us"].sum())
+    assert summary["fallback_count"] == 2 and summary["peak_memory_bytes"] >= 2 * 1024 * 1024 * 4  # big and its product
+    kernels = pd.read_parquet(os.path.join(path, "kernels.parquet"))
+    mul = kernels[kernels["shapes"].str.startswith("f32[1024, 1024]") & (kernels["name"] == "aten::mul.Tensor")]
+    assert mul["count"].tolist() == [2] and mul["bound"].tolist() == ["memory"]
+    with open(os.path.join(path, "trace.json")) as f:
+        assert any(e.get("cat") == "neuron_op" for e in json.load(f)["traceEvents"])
+
+
+def test_explorer_finds_the_planted_bottlenecks(planted):
+    _, path = planted
+    findings = {f.key: f for f in analyse(read_profile(path)).findings}
+    assert {"cpu_fallback", "unfused_elementwise", "memory_bound"} <= set(findings)
+    assert f"{os.path.relpath(__file__)}:{LINES['fallback']}" in findings["cpu_fallback"].where[0]
+    assert "float32" in findings["cpu_fallback"].suggestion
+    chain = findings["unfused_elementwise"]
+    assert chain.where[0].startswith("mul -> add -> relu -> sub -> sigmoid at ")  # the 1M-element mul is not fed by it
+    assert f":{LINES['chain']} " in chain.where[0] and "torch.compile" in chain.suggestion
+    assert "aten::mul.Tensor f32[1024, 1024]" in findings["memory_bound"].where[0]
+    assert f":{LINES['memory']} " in findings["memory_bound"].where[0]
+
+
+def test_explorer_command_and_html_report(planted, tmp_path, capsys):
+    _, path = planted
+    report = tmp_path / "report.html"
+    assert explorer([path, "--top", "5", "--html", str(report)]) == 0
+    out = capsys.readouterr().out
+    for text in ("CPU fallback", "Unfused elementwise", "Memory-bound", "suggestion:", "Top source lines"):
+        assert text in out
+    page = report.read_text()
+    assert page.count("<svg") == 3 and "Roofline" in page and "<script" not in page and "http" not in page
+
+
+def test_partial_directory_is_reported_and_still_analysed(planted, tmp_path, capsys):
+    _, path = planted
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for name in ("events", "summary", "kernels"):
+        (damaged / f"{name}.parquet").write_bytes(open(os.path.join(path, f"{name}.parquet"), "rb").read())
+    (damaged / "kernels.parquet").write_bytes(b"PAR1 truncated")
+    profile = read_profile(str(damaged))
+    assert any("manifest.json is missing" in p for p in profile.problems)
+    assert any(p.startswith("kernels.parquet is unreadable") for p in profile.problems)
+    keys = {f.key for f in analyse(profile).findings}
+    assert {"cpu_fallback", "unfused_elementwise"} <= keys and "memory_bound" not in keys
+    assert explorer([str(damaged)]) == 0
+    out = capsys.readouterr().out
+    assert "manifest.json is missing" in out and "CPU fallback" in out
+
+
+def test_unreadable_directories_fail_clearly(tmp_path, capsys):
+    assert explorer([str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().out
+    (tmp_path / "events.parquet").write_text("not parquet")
+    assert explorer([str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "no readable profile table" in out and "events.parquet is unreadable" in out
+
+
+def test_truncated_capture_and_empty_profile_are_explained(tmp_path):
+    a = torch.ones(16, device="neuron")
+    capture = DeviceCapture(max_events=3).start()
+    for _ in range(5):
+        a.add_(1)
+    capture.stop()
+    path = neuron_profiler.export_profile(capture, str(tmp_path / "truncated"))
+    profile = read_profile(path)
+    assert profile["summary"]["dropped_events"].tolist() == [2] and len(profile["events"]) == 3
+    assert any("2 device events were not recorded" in p for p in profile.problems)
+    empty = DeviceCapture().start().stop()
+    profile = read_profile(neuron_profiler.export_profile(empty, str(tmp_path / "empty")))
+    analysis = analyse(profile)
+    assert analysis.findings == [] and any("no device events" in p for p in analysis.problems)
+    console = Console(record=True, width=120)
+    render(analysis, console)
+    assert "no device events" in console.export_text()
+
+
+def test_tables_read_with_pyarrow_filters(planted):
+    _, path = planted
+    fallbacks = pq.read_table(os.path.join(path, "events.parquet"), filters=[("fallback", "=", True)])
+    assert fallbacks.column("op").to_pylist() == ["aten::sum", "aten::sum"]
+    assert fallbacks.column("source_line").to_pylist() == [LINES["fallback"]] * 2

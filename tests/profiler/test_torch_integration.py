@@ -1,0 +1,103 @@
+"""torch.profiler itself reports neuron device activity: key_averages, events, the Chrome trace,
+schedules, on_trace_ready, interruption, and profiles without neuron work."""
+import gzip
+import json
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+import torchneuron.profiler as neuron_profiler
+from torchneuron.profiler.trace import DEVICE_PID_BASE
+
+from .conftest import ACTIVITIES
+
+
+@pytest.fixture(scope="module")
+def two_ops():
+    a = torch.randn(64, 64, device="neuron")
+    with profile(activities=ACTIVITIES) as prof:
+        b = torch.mm(a, a)
+        torch.add(b, a)
+    return prof
+
+
+def test_key_averages_show_modeled_device_time(two_ops):
+    events = neuron_profiler.device_events(two_ops)
+    modeled = {e.op: e.duration_us for e in events}
+    rows = {r.key: r for r in two_ops.key_averages()}
+    assert rows["aten::mm"].self_device_time_total == pytest.approx(modeled["aten::mm"])
+    assert rows["aten::add"].self_device_time_total == pytest.approx(modeled["aten::add"])
+    assert rows["neuron: aten::mm"].device_time_total == pytest.approx(modeled["aten::mm"])
+    assert rows["neuron: aten::mm"].cpu_time_total == 0
+    table = two_ops.key_averages().table(sort_by="self_device_time_total", row_limit=5)
+    assert "Self NEURON" in table and "neuron: aten::mm" in table
+    assert f"{sum(modeled.values()):.3f}us" in table  # "Self NEURON time total"
+
+
+def test_profiler_bookkeeping_is_hidden(two_ops):
+    names = {e.name for e in two_ops.events()}
+    assert not any("worklog" in n for n in names)
+    assert {"aten::mm", "aten::add"} <= names
+
+
+def test_chrome_trace_has_host_and_device_tracks(two_ops, tmp_path):
+    for name in ("trace.json", "trace.json.gz"):
+        path = tmp_path / name
+        two_ops.export_chrome_trace(str(path))
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+        events = trace["traceEvents"]
+        device = [e for e in events if e.get("pid") == DEVICE_PID_BASE and e["ph"] == "X"]
+        assert [e["name"] for e in device] == ["aten::mm", "aten::add.Tensor"]
+        assert device[0]["args"]["engine"] == "tensor" and device[0]["args"]["modeled"] is True
+        assert device[1]["ts"] == pytest.approx(device[0]["ts"] + device[0]["dur"])
+        host = {e["args"]["External id"]: e for e in events if e.get("cat") == "cpu_op"}
+        starts = [e for e in events if e["ph"] == "s"]
+        assert len(starts) == 2 and {host_event["name"] for host_event in
+                                     (next(h for h in host.values() if h["ts"] == s["ts"]) for s in starts)} \
+            == {"aten::mm", "aten::add"}
+        assert not any("worklog" in e.get("name", "") for e in events)
+        names = [e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"]
+        assert any(n.startswith("neuron:0") for n in names)
+
+
+def test_schedule_records_only_active_steps_and_calls_on_trace_ready():
+    ready = []
+    x = torch.ones(8, device="neuron")
+
+    def on_ready(p):
+        ready.append([(e.name, e.shapes.split(" -> ")[-1]) for e in neuron_profiler.device_events(p)])
+
+    with profile(activities=ACTIVITIES, schedule=schedule(wait=1, warmup=1, active=2, repeat=1),
+                 on_trace_ready=on_ready) as prof:
+        for step in range(6):
+            x.new_ones(step + 1).add_(1)  # a distinct shape per step
+            prof.step()
+    # steps 0 (wait) and 1 (warmup) are not recorded; 2 and 3 are; 4 and 5 come after the only cycle
+    assert ready == [[("aten::fill_.Scalar", "f32[3]"), ("aten::add_.Tensor", "f32[3]"),
+                      ("aten::fill_.Scalar", "f32[4]"), ("aten::add_.Tensor", "f32[4]")]]
+
+
+def test_interrupted_profile_keeps_what_ran_and_restores_the_runtime():
+    x = torch.ones(8, device="neuron")
+    prof = profile(activities=ACTIVITIES)
+    with pytest.raises(KeyboardInterrupt):
+        with prof:
+            x.add_(1)
+            raise KeyboardInterrupt
+    assert [e.name for e in neuron_profiler.device_events(prof)] == ["aten::add_.Tensor"]
+    assert not neuron_profiler.is_recording()
+
+
+def test_profile_without_neuron_work_says_so(tmp_path):
+    with pytest.warns(UserWarning, match="no neuron device work"):
+        with profile(activities=ACTIVITIES) as prof:
+            torch.ones(4).add_(1)
+    assert neuron_profiler.device_events(prof) == []
+    with profile(activities=[ProfilerActivity.CPU]) as cpu_only:
+        torch.ones(4, device="neuron").add_(1)
+    assert not neuron_profiler.captures_of(cpu_only)
+    with pytest.raises(ValueError, match="no neuron device activity"):
+        neuron_profiler.export_profile(cpu_only, str(tmp_path / "p"))
