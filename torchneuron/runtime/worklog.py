@@ -247,13 +247,32 @@ def remove_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
         _drain_hooks.remove(fn)
 
 
+_full_handler: Callable[[], None] | None = None
+
+
+def set_full_handler(fn: Callable[[], None] | None) -> None:
+    """While set, the hot path's "log is full" callback calls `fn()` instead of drain(); None restores
+    draining. The profiler uses it with a drain threshold of 1 to see, in Python, the caller of each
+    record as it is appended, and drains in batches itself."""
+    global _full_handler
+    _full_handler = fn
+
+
+def _on_full() -> None:
+    handler = _full_handler
+    if handler is None:
+        drain()
+    else:
+        handler()
+
+
 _registrations: list[torch.library.Library] = []
 
 
 def install() -> None:
     assert ops().worklog_record_size() == RECORD.itemsize, "WorkRecord layout differs between C++ and Python"
     lib = torch.library.Library("torchneuron", "IMPL")
-    lib.impl("_worklog_full", lambda: drain(), "CompositeExplicitAutograd")
+    lib.impl("_worklog_full", _on_full, "CompositeExplicitAutograd")
     lib.impl("_event_elapsed_ms", event_elapsed_ms, "CompositeExplicitAutograd")
     _registrations.append(lib)
     on_target_change(lambda target: (drain(), _price_cache.clear()))
