@@ -58,7 +58,7 @@ def mlp_step(device: str):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(),
                                 torch.nn.Linear(128, 10)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # the same op sequence on both devices
     x, y = torch.randn(32, 64, device=device), torch.randint(0, 10, (32,), device=device)
 
     def step():
@@ -73,7 +73,7 @@ def transformer_step(device: str):
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # the same op sequence on both devices
     x = torch.randn(4, 32, 64, device=device)
 
     def step():
