@@ -44,6 +44,14 @@ class NkiDType:
     def itemsize(self) -> int:
         return self.torch_dtype.itemsize
 
+    @property
+    def dtype(self) -> np.dtype:
+        """What `np.dtype(nl.bfloat16)` sees: the ml_dtypes type when installed, else an
+        opaque numpy type of the right size (enough for itemsize arithmetic)."""
+        if _ml is not None:
+            return np.dtype(getattr(_ml, {"float8_e4m3": "float8_e4m3fn"}.get(self.name, self.name), "float32"))
+        return np.dtype((np.void, self.itemsize), metadata={"nki_dtype": self.name})
+
     def __repr__(self) -> str:
         return f"nl.{self.name}"
 

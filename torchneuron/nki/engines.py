@@ -135,7 +135,8 @@ def values(x: Any, run: Run) -> torch.Tensor | float:
     if isinstance(x, Tile):
         if x.buf.tdtype in _dt.FLOAT_DTYPES:
             return x.float32()
-        return x.torch()
+        v = x.torch()
+        return v.to(torch.int64) if v.dtype in (torch.uint16, torch.uint32) else v
     return scalar_value(x)
 
 
@@ -183,8 +184,10 @@ def check_compute_dtype(run: Run, tdtype: torch.dtype, what: str) -> None:
 # --------------------------------------------------------------------------- masks
 def mask_narrowing(mask: Any, tiles: Sequence[Tile]) -> tuple[list, Predicate | None]:
     """Turn single-variable mask constraints into (axis, lo, hi) ranges; return the rest."""
-    if mask is None:
+    if mask is None or mask is True or (isinstance(mask, np.bool_) and mask):
         return [], None
+    if mask is False or (isinstance(mask, np.bool_) and not mask):
+        return [(None, 0, 0, -1)], None   # statically false: the instruction does nothing
     if not isinstance(mask, Predicate):
         raise NKIError("mask= must be a predicate on nl.arange indices, e.g. (i < n)", rule="mask")
     bounds: dict = {}
@@ -205,10 +208,21 @@ def mask_narrowing(mask: Any, tiles: Sequence[Tile]) -> tuple[list, Predicate | 
         Predicate(tuple(rest)) if rest else None)
 
 
+def offsets_of(ranges: list, ndim: int) -> tuple:
+    """Start of the narrowed iteration space along each axis (for predicates)."""
+    off = [0] * ndim
+    for pos, size, lo, hi in ranges:
+        if pos is not None and pos < ndim:
+            off[pos] = lo
+    return tuple(off)
+
+
 def narrow(t: Any, ranges: list) -> Any:
     if not isinstance(t, Tile) or not ranges:
         return t
     for pos, size, lo, hi in ranges:
+        if pos is None:
+            return t.narrow(0, 0, 0) if t.shape else t
         if pos < len(t.shape) and t.shape[pos] == size and size > 1:
             t = t.narrow(pos, lo, max(0, hi - lo + 1))
     return t
@@ -229,7 +243,7 @@ def write(run: Run, dst: Tile, result: torch.Tensor | float, pred: Predicate | N
             result = result.expand(view.shape) if result.dim() == view.dim() else \
                 as_2d(result, view.dim()).expand(view.shape)
     if pred is not None:
-        keep = pred.evaluate(view.shape)
+        keep = pred.evaluate(view.shape, getattr(run, "offsets", None))
         if not isinstance(result, torch.Tensor):
             result = torch.tensor(result, dtype=torch.float32)
         if accumulate:
@@ -285,8 +299,9 @@ def elementwise(kind: str, fn: Callable, inputs: Sequence[Any], *, dtype: Any = 
     for t in tiles:
         t.region()
     dst.region()
+    run.offsets = offsets_of(ranges, len(dst.shape))
     if run.compute:
-        nd = len(dst.shape)
+        nd = max([len(t.shape) for t in tiles] + [len(dst.shape)])
         vals = [as_2d(values(x, run), nd) for x in inputs]
         write(run, dst, fn(*vals), pred, accumulate)
     reads = tiles + ([dst] if accumulate else [])

@@ -367,7 +367,7 @@ def affine_select(*args, **kwargs) -> Tile:
     shape = t.shape
 
     def compute(x):
-        keep = pred.evaluate(x.shape)
+        keep = pred.evaluate(x.shape, current().offsets)
         return torch.where(keep, x, torch.tensor(fv, dtype=x.dtype))
     return _E.elementwise("affine_select", compute, [t], dtype=kwargs.get("dtype"), dst=dst,
                           mask=kwargs.get("mask"), out_shape=shape)

@@ -27,6 +27,11 @@ float32, float16, int8, int16, int32, uint8, uint16, uint32 = (
 int64, bool_ = np.int64, np.bool_
 
 
+def finfo(dtype: Any):
+    """Float limits of an NKI dtype (`nl.finfo(nl.bfloat16).min`)."""
+    return torch.finfo(_dt.to_torch(dtype))
+
+
 # ----------------------------------------------------------------------------- buffers
 class _Buffer(str):
     """A memory name (`nl.sbuf`, `nl.psum`, ...). Calling it returns itself (allocator API)."""
@@ -357,6 +362,8 @@ less_equal = _make_binary("less_equal", lambda a, b: (a <= b).float())
 logical_and = _make_binary("logical_and", lambda a, b: ((a != 0) & (b != 0)).float())
 logical_or = _make_binary("logical_or", lambda a, b: ((a != 0) | (b != 0)).float())
 logical_xor = _make_binary("logical_xor", lambda a, b: ((a != 0) ^ (b != 0)).float())
+mod = _make_binary("mod", torch.remainder)
+fmod = _make_binary("fmod", torch.fmod)
 bitwise_and = _make_binary("bitwise_and", torch.bitwise_and)
 bitwise_or = _make_binary("bitwise_or", torch.bitwise_or)
 bitwise_xor = _make_binary("bitwise_xor", torch.bitwise_xor)

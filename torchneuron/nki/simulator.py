@@ -87,6 +87,7 @@ class Run:
         self.seq_depth = 0          # > 0 inside sequential_range
         self.pending = None         # last value-returning instruction, not yet scheduled
         self.pending_ranges: list = []  # mask narrowing of the pending instruction
+        self.offsets: tuple = ()        # start of the current instruction's narrowed space
         self.cost_cache: dict = {}
         self.instructions = 0
         self.inputs: list[Buffer] = []
@@ -136,9 +137,10 @@ class Run:
                 # blocks' lifetimes allow (the compiler's allocator); charge one bank for it.
                 free = (nblk if blocks else 1) * bank
             if base is not None:  # placed by the kernel (direct allocation): check the address range
-                if base + free > pool.capacity:
+                limit = self.target.sbuf_bytes_per_partition if kind == "sbuf" else pool.capacity
+                if base + free > limit:
                     raise CapacityError(f"{kind} allocation at byte {base} of {free} B a partition ends "
-                                        f"past {pool.capacity} B", rule=pool.rule)
+                                        f"past the {limit} B of a partition", rule=pool.rule)
                 free = 0
             pool.charge(free, f"{kind} tensor of shape {shape} ({tdtype})")
         data = None

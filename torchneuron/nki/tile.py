@@ -84,13 +84,16 @@ class IndexExpr:
     def variables(self) -> list["IndexVar"]:
         return [v for v, _ in self.terms]
 
-    def evaluate(self, shape: Sequence[int]) -> torch.Tensor:
-        """Values of the expression over a grid of `shape` (vars at their positions)."""
+    def evaluate(self, shape: Sequence[int], offsets: Sequence[int] | None = None) -> torch.Tensor:
+        """Values of the expression over a grid of `shape` (vars at their positions); a
+        narrowed grid starts at `offsets` along each axis."""
         out = torch.full([1] * len(shape), self.const, dtype=torch.int64)
         for v, c in self.terms:
             view = [1] * len(shape)
-            view[v.pos] = v.size
-            out = out + c * torch.arange(v.size, dtype=torch.int64).view(view)
+            n = shape[v.pos] if v.pos < len(shape) else v.size
+            view[v.pos] = n
+            start = offsets[v.pos] if offsets and v.pos < len(offsets) else 0
+            out = out + c * torch.arange(start, start + n, dtype=torch.int64).view(view)
         return out
 
 
@@ -134,13 +137,17 @@ class Predicate:
     def __init__(self, constraints: tuple):
         self.constraints = constraints
 
-    def __and__(self, other: "Predicate") -> "Predicate":
-        return Predicate(self.constraints + other.constraints)
+    def __and__(self, other: "Predicate | bool") -> "Predicate | bool":
+        if isinstance(other, Predicate):
+            return Predicate(self.constraints + other.constraints)
+        return self if other else False   # a compile-time condition
 
-    def evaluate(self, shape: Sequence[int]) -> torch.Tensor:
+    __rand__ = __and__
+
+    def evaluate(self, shape: Sequence[int], offsets: Sequence[int] | None = None) -> torch.Tensor:
         out = torch.ones([1] * len(shape), dtype=torch.bool)
         for c in self.constraints:
-            out = out & (c.evaluate(shape) >= 0)
+            out = out & (c.evaluate(shape, offsets) >= 0)
         return out.expand(*shape)
 
 
@@ -329,7 +336,12 @@ class Tile:
             fill = len(self.shape) - (len(key) - 1)
             key = key[:i] + (slice(None),) * fill + key[i + 1:]
         if len(key) > len(self.shape):
-            raise OutOfBoundsError(f"too many indices ({len(key)}) for a tile of rank {len(self.shape)}")
+            extra = key[len(self.shape):]
+            if not all(_unit_index(k) for k in extra):
+                raise OutOfBoundsError(f"too many indices ({len(key)}) for a tile of rank {len(self.shape)}")
+            # a [P] vector is a [P, 1] tile: trailing unit indices address its implicit dims
+            pad = len(extra)
+            return Tile(self.buf, self.shape + (1,) * pad, self.base, self.maps + ((),) * pad)._index(key)
         if len(key) < len(self.shape):
             key = key + (slice(None),) * (len(self.shape) - len(key))
         has_expr = False
@@ -537,6 +549,12 @@ class Tile:
     def __isub__(self, o): return _ops()._inplace(self, o, "subtract")
     def __imul__(self, o): return _ops()._inplace(self, o, "multiply")
     def __itruediv__(self, o): return _ops()._inplace(self, o, "divide")
+
+
+def _unit_index(k) -> bool:
+    if isinstance(k, slice):
+        return (k.start in (None, 0)) and (k.stop in (None, 1))
+    return isinstance(k, int) and k == 0
 
 
 def _ops():
