@@ -37,7 +37,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  neuron:{i}  capacity {total / 2**30:.2f} GiB, free {free / 2**30:.2f} GiB")
     print("environment:")
     for name, meaning in ENVIRONMENT_VARIABLES.items():
-        print(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
+        value = os.environ.get(name)
+        print(f"  {name:<30} {value if value is not None else '(unset)':<8}  {meaning}")
     return 0
 
 
