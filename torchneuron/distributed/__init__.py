@@ -13,7 +13,7 @@ backend unchanged; `simple_fsdp` adds SimpleFSDP-style sharding that torch.compi
 
 Modules: process_group (the c10d interface), collectives (host data movement), host (host buffers,
 reduce ops), checks (cross-rank agreement, clear errors), work (Work objects, device timeline),
-dispatch (c10d C++ ops routed to Python), launch (local ranks, `spawn`), parallel (helpers).
+dispatch (c10d C++ ops routed to Python), launch (local ranks, `spawn`, `RankPool`), parallel (helpers).
 Environment: TORCHNEURON_DIST_CHECKS=0 skips the per-collective cross-rank check.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import datetime
 import torch.distributed as dist
 
 from torchneuron.distributed.checks import CollectiveMismatchError
-from torchneuron.distributed.launch import RankFailed, free_port, local_device, select_local_device, spawn
+from torchneuron.distributed.launch import RankFailed, RankPool, free_port, local_device, select_local_device, spawn
 from torchneuron.distributed.process_group import NeuronProcessGroup
 
 _registered = False
@@ -47,5 +47,5 @@ def register() -> None:
     _registered = True
 
 
-__all__ = ["CollectiveMismatchError", "NeuronProcessGroup", "RankFailed", "free_port", "local_device", "register",
+__all__ = ["CollectiveMismatchError", "NeuronProcessGroup", "RankFailed", "RankPool", "free_port", "local_device", "register",
            "select_local_device", "spawn"]

@@ -66,7 +66,7 @@ def exchange(signature: Signature, gloo: dist.ProcessGroup, seq: int, world: int
     return rows.view(world, -1)
 
 
-def _describe(r: torch.Tensor) -> str:
+def _describe(r: torch.Tensor, world: int) -> str:
     kind = KINDS[int(r[2])] if 0 <= int(r[2]) < len(KINDS) else f"unknown({int(r[2])})"
     dtype = _DTYPES[int(r[3])] if 0 <= int(r[3]) < len(_DTYPES) else None
     text = f"{kind}(#{int(r[1])}"
@@ -74,6 +74,9 @@ def _describe(r: torch.Tensor) -> str:
         text += f", {str(dtype).replace('torch.', '')}, {int(r[4])} elements in, {int(r[5])} out"
     if int(r[6]) >= 0:
         text += f", root {int(r[6])}"
+    if kind == "all_to_all":
+        splits = r[len(_HEADER):].view(2, world).tolist()
+        text += f", sends {splits[0]}, expects {splits[1]}"
     return text + ")"
 
 
@@ -82,7 +85,7 @@ def verify(rows: torch.Tensor, group: str) -> None:
     world = rows.shape[0]
     head = rows[:, :len(_HEADER)]
     ins, outs = rows[:, len(_HEADER):len(_HEADER) + world], rows[:, len(_HEADER) + world:]
-    calls = "; ".join(f"rank {i}: {_describe(rows[i])}" for i in range(world))
+    calls = "; ".join(f"rank {i}: {_describe(rows[i], world)}" for i in range(world))
 
     def fail(problem: str) -> None:
         raise CollectiveMismatchError(

@@ -172,7 +172,12 @@ class NeuronProcessGroup(dist.ProcessGroup):
         return self.all_gather_single_coalesced([output], [tensor], opts)
 
     def all_gather_single_coalesced(self, outputs: Tensors, inputs: Tensors, opts=None) -> NeuronWork:
-        signature = Signature("all_gather_single", torch.uint8, _nbytes(inputs), _nbytes(outputs), count=len(inputs))
+        if len({t.dtype for t in outputs + inputs}) == 1:
+            signature = Signature("all_gather_single", inputs[0].dtype, _numel(inputs), _numel(outputs),
+                                  count=len(inputs))
+        else:  # mixed dtypes travel as bytes
+            signature = Signature("all_gather_single", torch.uint8, _nbytes(inputs), _nbytes(outputs),
+                                  count=len(inputs))
         return self._run(signature, outputs + inputs, outputs,
                          lambda: coll.all_gather_single(self._gloo, outputs, inputs, self.size()), _nbytes(outputs))
 
