@@ -430,11 +430,15 @@ def static_cast(x: Any, dtype: Any, **kwargs) -> Any:
     """Cast a tile (Vector engine copy) or, outside a kernel, a host array."""
     if isinstance(x, Tile):
         return copy(x, dtype=dtype)
-    nd = _dt.numpy_dtype(_dt.to_torch(dtype))
+    tdtype = _dt.to_torch(dtype)
+    if isinstance(x, torch.Tensor):
+        return x.to(tdtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(static_cast(v, dtype) for v in x)
+    nd = _dt.numpy_dtype(tdtype)
     if isinstance(x, np.ndarray) and nd is not None:
         return x.astype(nd)
-    t = torch.as_tensor(x)
-    return t.to(_dt.to_torch(dtype))
+    return torch.as_tensor(np.asarray(x)).to(tdtype)  # numpy cannot hold it: a torch tensor
 
 
 def where(condition: Tile, x: Any, y: Any, *, dtype=None, mask=None, **kwargs) -> Tile:
