@@ -12,6 +12,7 @@ not charged); gloo also serves as the registered c10d backend of both device typ
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Callable
 
 import torch
@@ -34,12 +35,23 @@ def _nbytes(tensors: Tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _gloo_device() -> ProcessGroupGloo.Device:
+    """Loopback when the job's master is on this host (single-machine jobs stay off the network),
+    GLOO_SOCKET_IFNAME when set, else gloo's default (the hostname's interface)."""
+    if not os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):
+        return ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return ProcessGroupGloo.create_default_device()
+
+
 class NeuronProcessGroup(dist.ProcessGroup):
     """Collectives on neuron tensors over gloo, charged to the device timeline."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
-        self._gloo = ProcessGroupGloo(store, rank, size, timeout)
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [_gloo_device()]
+        self._gloo = ProcessGroupGloo(store, rank, size, options)
         self._timeout = timeout
         self._name = ""
         self._desc = ""
