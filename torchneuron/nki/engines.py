@@ -428,7 +428,8 @@ def matmul(stationary: Tile, moving: Tile, dst: Tile | None = None, *, accumulat
         a = stationary.float32().reshape(k, m)
         b = moving.float32().reshape(k, n)
         dst.buf.prepare_write()
-        out = dst.torch().view(m, n) if dst.torch().is_contiguous() else None
+        out = dst.torch()
+        out = out.view(m, n) if out.is_contiguous() else None
         if out is not None:
             if accumulate:
                 out.addmm_(a.T, b)

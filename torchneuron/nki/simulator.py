@@ -163,7 +163,7 @@ class Run:
 
     # -- instructions -----------------------------------------------------------------------
     def timing(self, kind: str, engine: str = "", **kw) -> tuple:
-        key = (kind, engine) + tuple(sorted(kw.items()))
+        key = (kind, engine) + tuple(kw.items())  # call sites pass keywords in a fixed order
         t = self.cost_cache.get(key)
         if t is None:
             dtype = kw.pop("dtype")
