@@ -77,6 +77,11 @@ class NeuronProcessGroup(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:
         self._desc = desc
 
+    @property
+    def issued(self) -> int:
+        """Collectives this group has issued so far (the same count on every rank)."""
+        return self._seq
+
     def __repr__(self) -> str:
         return f"NeuronProcessGroup(name={self._name!r}, rank={self.rank()}, size={self.size()})"
 

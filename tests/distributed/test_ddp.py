@@ -1,0 +1,76 @@
+"""DDP on neuron ranks: loss, gradients and parameters equal a single-process run over all ranks' data,
+with several gradient buckets, and with gradient accumulation under no_sync."""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from helpers import batch, cpu_grads, cpu_state, max_diff, mlp
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+STEPS = 2
+
+
+def _ddp_job(accumulate: int) -> dict:
+    dist.init_process_group("neuron")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    model = mlp().to("neuron")
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # ~2 KB buckets: several per backward
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out = {"losses": [], "collectives": []}
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            x, y = batch(step * accumulate + micro, rank, device="neuron")
+            sync = micro == accumulate - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                loss = F.mse_loss(ddp(x), y) / accumulate
+                before = group.issued
+                loss.backward()
+            out["collectives"].append(group.issued - before)
+            out["losses"].append(loss.item())
+        if step == 0:
+            out["grads"] = cpu_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    out["params"] = cpu_state(model)
+    dist.destroy_process_group()
+    return out
+
+
+def _reference(world: int, accumulate: int) -> dict:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {"losses": []}
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            for rank in range(world):
+                x, y = batch(step * accumulate + micro, rank)
+                loss = F.mse_loss(model(x), y) / accumulate
+                (loss / world).backward()  # DDP averages gradients over ranks
+                out["losses"].append((rank, loss.item()))
+        if step == 0:
+            out["grads"] = cpu_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    out["params"] = cpu_state(model)
+    return out
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["plain", "accumulate2_no_sync"])
+def test_ddp_matches_single_process(pool2, accumulate):
+    ranks = pool2.run(_ddp_job, (accumulate,), timeout=150)
+    reference = _reference(len(ranks), accumulate)
+    for rank, out in enumerate(ranks):
+        expected_losses = [loss for r, loss in reference["losses"] if r == rank]
+        assert out["losses"] == pytest.approx(expected_losses, rel=1e-5)
+        assert max_diff(out["grads"], reference["grads"]) < 1e-5
+        assert max_diff(out["params"], reference["params"]) < 1e-5
+        synced = out["collectives"][accumulate - 1::accumulate]
+        skipped = [n for i, n in enumerate(out["collectives"]) if i % accumulate != accumulate - 1]
+        # the first step runs one large first bucket; from the second on, ~2 KB buckets: several all-reduces
+        assert synced[0] >= 1 and synced[1] > 1
+        assert all(n == 0 for n in skipped)  # no_sync: no all-reduce in backward
