@@ -16,7 +16,7 @@ from torchneuron.profiler.capture import DeviceEvent, category_of, module_path, 
 from torchneuron.runtime import worklog
 
 if TYPE_CHECKING:
-    from torchneuron.profiler.capture import DeviceCapture
+    from torchneuron.profiler.capture import DeviceCapture, _Store
 
 _DTYPE_NAMES = {
     "float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64", "int32": "i32",
@@ -29,9 +29,8 @@ def _short_dtype(dtype: Any) -> str:
     return _DTYPE_NAMES.get(name, name)
 
 
-def decode_record(blob: bytes) -> dict[str, Any]:
+def decode_record(rec: np.void) -> dict[str, Any]:
     """The fields of one raw work-log record that the profiler reports."""
-    rec = np.frombuffer(blob, dtype=worklog.RECORD)[0]
     flags, n_sigs, n_inputs = int(rec["flags"]), int(rec["n_sigs"]), int(rec["n_inputs"])
     sigs = []
     for i in range(n_sigs):
@@ -53,10 +52,9 @@ def decode_record(blob: bytes) -> dict[str, Any]:
     }
 
 
-def _source(where: tuple | None) -> tuple[str, int, str]:
-    if where is None or where[0] is None:
+def _source(code: Any, line: int) -> tuple[str, int, str]:
+    if code is None:
         return "", 0, ""
-    code, line = where[0], where[1]
     return code.co_filename, int(line), getattr(code, "co_qualname", code.co_name)
 
 
@@ -71,20 +69,25 @@ def _kind(meta: dict | None, name: str) -> str:
     return "other"
 
 
-def build_events(capture: "DeviceCapture", raw: list[tuple]) -> list[DeviceEvent]:
-    """DeviceEvents, in the order the work was charged, from a capture's raw entries."""
+def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]:
+    """DeviceEvents, in the order the work was charged, from a capture's column store."""
     launch_us = get_target().kernel_launch_s * 1e6
     events: list[DeviceEvent] = []
     forward_of_seq: dict[int, tuple[str, str, str]] = {}
     backward: list[tuple[DeviceEvent, int]] = []
-    for index, (entry, blob, context) in enumerate(raw):
-        meta = entry.meta
-        decoded = decode_record(blob) if blob is not None else {}
-        kind = _kind(meta, entry.name)
-        category = category_of(kind, entry.name)
-        where, t_ns, thread, node, seq = context if context is not None else (None, capture.start_ns, 0, "", -1)
-        file, line, function = _source(where)
-        inner, outer, optim = (where[2], where[3], where[4]) if where is not None else (None, None, False)
+    for index in range(len(store)):
+        meta, name, cost, ctx = store.meta[index], store.name[index], store.cost[index], store.ctx[index]
+        batch = store.batch[index]
+        decoded = decode_record(store.batches[batch][store.index[index]]) if batch >= 0 else {}
+        kind = ("copy" if decoded["copy_kind"] else "op") if batch >= 0 else _kind(meta, name)
+        category = category_of(kind, name)
+        if ctx >= 0:
+            code, line, inner, outer, optim = store.where[ctx]
+            t_ns, thread, node, seq = store.t_ns[ctx], store.thread[ctx], store.node[ctx], store.seq[ctx]
+        else:
+            code, line, inner, outer, optim = None, 0, None, None, False
+            t_ns, thread, node, seq = capture.start_ns, 0, "", -1
+        file, line, function = _source(code, line)
         if node:
             phase = "backward"
         elif optim:
@@ -93,13 +96,13 @@ def build_events(capture: "DeviceCapture", raw: list[tuple]) -> list[DeviceEvent
             phase = "forward"
         else:
             phase = "other"
-        origin = capture.origins.get(entry.device, 0.0)
-        cost = entry.cost
+        device = store.device[index]
+        origin = capture.origins.get(device, 0.0)
         extra = {k: v for k, v in meta.items() if k not in ("kind", "fallback")} if meta else None
         ev = DeviceEvent(
-            id=index, device=entry.device, stream=entry.stream, kind=kind, name=entry.name,
-            op=op_base_name(entry.name), category=category, engine=cost.engine, bound=cost.bound,
-            start_us=(entry.start_s - origin) * 1e6, duration_us=(entry.end_s - entry.start_s) * 1e6,
+            id=index, device=device, stream=store.stream[index], kind=kind, name=name,
+            op=op_base_name(name), category=category, engine=cost.engine, bound=cost.bound,
+            start_us=(store.start[index] - origin) * 1e6, duration_us=(store.end[index] - store.start[index]) * 1e6,
             flops=float(cost.flops), bytes=float(cost.bytes),
             fallback=bool(decoded.get("fallback", cost.fallback)),
             host_fallback_us=decoded.get("host_fallback_us", 0.0),

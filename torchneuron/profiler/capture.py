@@ -7,16 +7,19 @@ torch.profiler events, traces, tables, analysis) works on those afterwards.
 
 How attribution stays exact and cheap:
 - eager ops and copies reach the timeline through the C++ work log. While capturing, the work
-  log's drain threshold is 1, so the C++ fallback hands every record to Python (the
-  `_worklog_full` callback) *inside* the call that issued it. The drain hook then walks the
-  Python stack once: the innermost frame outside torch/torchneuron/the standard library is the
-  source line; `forward` frames of nn.Modules give the module chain. The timeline entries that
-  the same drain enqueues are matched to these records in order.
+  log's drain threshold is 1 and its "full" callback is the capture's (worklog.set_full_handler),
+  so the C++ fallback calls Python right after appending each record, *inside* the call that
+  issued it. The capture walks the Python stack once there: the innermost frame outside
+  torch/torchneuron/the standard library is the source line; `forward` frames of nn.Modules give
+  the module chain. Records are still priced in batches (every BATCH records, or when anyone
+  drains); the drain hook pairs each op/copy record with its context in order, and the timeline
+  entries the drain enqueues arrive in the same order.
 - work charged from Python (`torchneuron.runtime.charge`: NKI kernels, fused kernels, compiled
   graphs, collectives) is attributed from the stack at the time of the charge.
 - backward ops carry the autograd node that ran them; its sequence number is the one the
   forward op had, which links them to the forward op's module.
-Everything expensive (decoding signatures, module paths) happens in `stop()`.
+Everything expensive (decoding signatures, module paths) happens in `stop()`. Assumption: one
+thread issues neuron work at a time (records of concurrent threads may swap contexts).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import sysconfig
 import threading
 import time
 import weakref
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +129,10 @@ def _classify_code(code: Any) -> int:
 
 
 _Module = torch.nn.Module
+_current_node = torch._C._current_autograd_node
+_next_sequence_nr = torch._C._autograd._get_sequence_nr
+_time_ns = time.time_ns
+_get_ident = threading.get_ident
 
 
 def _where(frame: Any) -> tuple:
@@ -159,12 +167,78 @@ def _where(frame: Any) -> tuple:
 # The capture session
 # ------------------------------------------------------------------------------------------------
 _active: "DeviceCapture | None" = None
-_worklog_file = worklog.__file__
 
 
 def active_capture() -> "DeviceCapture | None":
     """The capture currently recording, if any (e.g. so an NKI kernel can keep its trace)."""
     return _active
+
+
+BATCH = 4096  # records priced per drain while capturing
+
+
+class _Store:
+    """What a capture recorded, as columns (arrays and lists of shared objects): recording adds no
+    per-record object the garbage collector has to traverse, which would otherwise cost more than
+    the recording itself in long profiles.
+
+    Contexts (who issued work, one per issuing call or charge) and entries (timeline items) are
+    separate; `ctx[i]` is the context of entry i (-1: none), `batch[i]/index[i]` its work-log record."""
+
+    def __init__(self) -> None:
+        self.where: list[tuple] = []          # interned _where() results
+        self.t_ns, self.thread, self.seq = array("q"), array("q"), array("q")
+        self.node: list[str] = []             # autograd node name ("" outside backward)
+        self.memory: dict[int, tuple] = {}    # context -> (device, allocated, peak, reserved)
+        self.device, self.stream = array("q"), array("q")
+        self.start, self.end = array("d"), array("d")
+        self.name: list[str] = []
+        self.cost: list[Any] = []
+        self.meta: list[dict | None] = []     # None for work-log entries
+        self.batch, self.index, self.ctx = array("q"), array("q"), array("q")
+        self.batches: list[np.ndarray] = []
+        self._interned: dict[tuple, tuple] = {}
+        self._last_frame: Any = None
+        self._last_lasti = -1
+        self._last_where: tuple = ()
+
+    def add_context(self, frame: Any) -> int:
+        # One call (a foreach op, loss.backward()) often issues many records from the same frame
+        # at the same instruction: the stack is the same, walk it once. Only torch/torchneuron
+        # frames are kept between records (they are alive during such calls), never user frames,
+        # whose locals must not outlive them.
+        if frame is None or frame is not self._last_frame or frame.f_lasti != self._last_lasti:
+            where = _where(frame)
+            self._last_where = self._interned.setdefault(where, where)
+            keep = frame is not None and _code_class.get(frame.f_code) != _USER
+            self._last_frame, self._last_lasti = (frame, frame.f_lasti) if keep else (None, -1)
+        self.where.append(self._last_where)
+        node = _current_node()
+        if node is not None:
+            self.node.append(type(node).__name__)
+            self.seq.append(node._sequence_nr())
+        else:
+            self.node.append("")
+            self.seq.append(_next_sequence_nr() - 1)  # the sequence number the op's autograd node got
+        self.t_ns.append(_time_ns())
+        self.thread.append(_get_ident())
+        return len(self.t_ns) - 1
+
+    def add_entry(self, entry: device_timeline.TimelineEntry, batch: int, index: int, ctx: int,
+                  meta: dict | None) -> None:
+        self.device.append(entry.device)
+        self.stream.append(entry.stream)
+        self.start.append(entry.start_s)
+        self.end.append(entry.end_s)
+        self.name.append(entry.name)
+        self.cost.append(entry.cost)
+        self.meta.append(meta)
+        self.batch.append(batch)
+        self.index.append(index)
+        self.ctx.append(ctx)
+
+    def __len__(self) -> int:
+        return len(self.start)
 
 
 class DeviceCapture:
@@ -181,9 +255,9 @@ class DeviceCapture:
         self.origins: dict[int, float] = {}
         self.target = get_target().name
         self.peak_bytes: dict[int, int] = {}
-        self._raw: list[tuple] = []
-        self._pending: collections.deque = collections.deque()
-        self._mem_raw: list[tuple] = []
+        self.store = _Store()
+        self._assigned = 0  # contexts already paired with a drained record
+        self._pending: collections.deque = collections.deque()  # (batch, index, ctx) awaiting entries
         self._running = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -202,6 +276,7 @@ class DeviceCapture:
         self._running = True
         worklog.add_drain_hook(self._on_drain)
         device_timeline.add_listener(self._on_entry)
+        worklog.set_full_handler(self._on_record)
         ops().set_worklog_threshold(1)
         return self
 
@@ -211,9 +286,11 @@ class DeviceCapture:
         if not self._running:
             return self
         try:
+            worklog.set_full_handler(None)
             worklog.drain()
         finally:
             ops().set_worklog_threshold(DEFAULT_THRESHOLD)
+            worklog.set_full_handler(None)
             worklog.remove_drain_hook(self._on_drain)
             device_timeline.remove_listener(self._on_entry)
             self._running = False
@@ -228,72 +305,69 @@ class DeviceCapture:
         return self._running
 
     # ---- hot path ----------------------------------------------------------------------------
-    def _on_drain(self, records: np.ndarray) -> None:
-        kinds = records["kind"]
-        if len(records) == 1:
-            if kinds[0] > worklog.COPY:
-                return
-            work = (0,)
-        else:
-            work = np.flatnonzero(kinds <= worklog.COPY).tolist()
-            if not work:
-                return
-        drain_frame = sys._getframe(1)
-        caller = drain_frame.f_back
-        # a drain the C++ fallback requested runs inside the call that issued the last record
-        triggered = caller is not None and caller.f_code.co_filename == _worklog_file and \
-            caller.f_code.co_name == "<lambda>"
-        where = _where(drain_frame) if triggered else None
-        node = torch._C._current_autograd_node()
-        seq = node._sequence_nr() if node is not None else torch._C._autograd._get_sequence_nr() - 1
-        context = (where, time.time_ns(), threading.get_ident(), node.name() if node is not None else "", seq)
-        last = work[-1]
-        blob = records.tobytes()
-        size = worklog.RECORD.itemsize
-        pending = self._pending
-        for i in work:
-            pending.append((blob[i * size:(i + 1) * size], context if i == last else None))
+    def _on_record(self) -> None:
+        """Called by the C++ fallback right after it appended an op or copy record, inside the
+        call that issued it (drain threshold 1): note who issued it; price in batches."""
+        store = self.store
+        ctx = store.add_context(sys._getframe(2))  # the frame that issued the op (1 is worklog._on_full)
         if self.profile_memory:
-            device = int(records["device"][last])
-            self._mem_raw.append((len(self._raw) + len(pending) - 1, device, context[1], *_device_stats(device)))
+            device = int(ops().current_device())
+            store.memory[ctx] = (device, *_device_stats(device))
+        if len(store.t_ns) - self._assigned >= BATCH:
+            worklog.drain()
+
+    def _on_drain(self, records: np.ndarray) -> None:
+        """A batch of records is about to be priced: pair each op/copy record with its context."""
+        kinds = records["kind"]
+        work = (0,) if len(records) == 1 and kinds[0] <= worklog.COPY else \
+            np.flatnonzero(kinds <= worklog.COPY).tolist()
+        if not work:
+            return
+        batch = len(self.store.batches)
+        self.store.batches.append(records)
+        available = len(self.store.t_ns)
+        for i in work:
+            ctx = self._assigned if self._assigned < available else -1
+            self._assigned += ctx >= 0
+            self._pending.append((batch, i, ctx))
 
     def _on_entry(self, entry: device_timeline.TimelineEntry) -> None:
+        """Every piece of work charged to any timeline: records of the work log arrive in order
+        during a drain; anything else was charged from Python by the current caller."""
         meta = entry.meta
-        if len(self._raw) >= self.max_events:
+        from_log = meta is not None and meta.get("kind") in ("op", "copy") and self._pending
+        if len(self.store) >= self.max_events:
             self.dropped += 1
-            if self._pending and meta is not None and meta.get("kind") in ("op", "copy"):
+            if from_log:
                 self._pending.popleft()
             return
-        if meta is not None and meta.get("kind") in ("op", "copy") and self._pending:
-            record, context = self._pending.popleft()
-            self._raw.append((entry, record, context))
-            return
-        node = torch._C._current_autograd_node()
-        seq = node._sequence_nr() if node is not None else -1
-        where = _where(sys._getframe(1))
-        self._raw.append((entry, None, (where, time.time_ns(), threading.get_ident(),
-                                        node.name() if node is not None else "", seq)))
+        if from_log:
+            batch, index, ctx = self._pending.popleft()
+            self.store.add_entry(entry, batch, index, ctx, None)
+        else:
+            self.store.add_entry(entry, -1, -1, self.store.add_context(sys._getframe(1)), meta)
 
     # ---- after the fact ----------------------------------------------------------------------
     def _finish(self) -> None:
-        self.unmatched += len(self._pending)
+        charged = sum(1 for b in self.store.batch if b < 0)  # contexts taken for charged entries
+        self.unmatched += len(self._pending) + max(0, len(self.store.t_ns) - self._assigned - charged)
         self._pending.clear()
         from torchneuron.profiler.attribution import build_events
 
-        self.events = build_events(self, self._raw)
-        by_index = {i: ev for i, ev in enumerate(self.events)}
-        for index, device, t_ns, allocated, peak, reserved in self._mem_raw:
-            ev = by_index.get(index)
-            self.memory.append(MemorySample(
-                ev.id if ev else -1, device, (t_ns - self.start_ns) / 1e3,
-                (ev.start_us + ev.duration_us) if ev else float("nan"), allocated, reserved))
+        store = self.store
+        self.events = build_events(self, store)
+        for ev, ctx in zip(self.events, store.ctx):
+            sample = store.memory.get(ctx)
+            if sample is not None:
+                device, allocated, _, reserved = sample
+                self.memory.append(MemorySample(ev.id, device, (store.t_ns[ctx] - self.start_ns) / 1e3,
+                                                ev.start_us + ev.duration_us, allocated, reserved))
         if self.profile_memory:
             for device, start_peak in self._peak_at_start.items():
                 end_peak = _device_stats(device)[1]
                 sampled = max((m.allocated_bytes for m in self.memory if m.device == device), default=0)
                 self.peak_bytes[device] = end_peak if end_peak > start_peak else sampled
-        self._raw = []
-        self._mem_raw = []
+        self.store = _Store()
 
 
 def _device_stats(device: int) -> tuple[int, int, int]:
