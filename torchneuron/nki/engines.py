@@ -152,11 +152,19 @@ def shape_2d(shape: tuple, ndim: int) -> tuple:
 
 
 def broadcast_shape(shapes: Sequence[tuple]) -> tuple:
+    """numpy broadcasting of tile shapes ([P] vectors act as [P, 1])."""
     nd = max(len(s) for s in shapes)
-    try:
-        return tuple(torch.broadcast_shapes(*[shape_2d(s, nd) for s in shapes]))
-    except RuntimeError:
-        raise ShapeError(f"tile shapes {[tuple(s) for s in shapes]} do not broadcast") from None
+    out = [1] * nd
+    for s in shapes:
+        s = shape_2d(tuple(s), nd)
+        off = nd - len(s)
+        for i, n in enumerate(s):
+            cur = out[off + i]
+            if n != cur and n != 1:
+                if cur != 1:
+                    raise ShapeError(f"tile shapes {[tuple(x) for x in shapes]} do not broadcast")
+                out[off + i] = n
+    return tuple(out)
 
 
 def out_dtype(dtype: Any, *inputs: Any) -> torch.dtype:
