@@ -177,3 +177,23 @@ def test_simulate_kernel_and_baremetal_forms():
     assert isinstance(out, np.ndarray) and np.allclose(out, np.exp(a), rtol=1e-6)
     assert np.allclose(nki.baremetal(_per_program.fn)(a), np.exp(a), rtol=1e-6)
     assert np.allclose(nki.simulate(_per_program)(a), np.exp(a), rtol=1e-6)
+
+
+def test_access_index_grid_mode_matches_brute_force():
+    import random
+    from torchneuron.nki.scheduler import BoxIndex, _overlap
+    rnd = random.Random(0)
+    idx, entries = BoxIndex(), []
+    for i in range(200):
+        r, c = rnd.randrange(0, 16) * 128, rnd.randrange(0, 8) * 512
+        box = ((r, r + 127), (c, c + 511 + (512 if i % 7 == 0 else 0)))
+        end = rnd.random()
+        idx.add(box, end)
+        entries.append((box, end))
+    assert idx.flat is None  # switched to the grid
+    for _ in range(50):
+        r = rnd.randrange(0, 2048)
+        q = ((r, r + rnd.randrange(0, 300)), (rnd.randrange(0, 3000), 4095))
+        want = max([e for b, e in entries if _overlap(q, b)], default=0.0)
+        assert idx.latest(q, 0.0) == want
+    assert idx.latest(None, 0.0) == max(e for _, e in entries)
