@@ -129,22 +129,24 @@ def apply_tensor_parallel(model: TinyLlama, mesh: DeviceMesh) -> None:
         })
 
 
-def apply_fsdp(model: TinyLlama, mesh: DeviceMesh, reshard_after_forward: bool = True) -> None:
-    """FSDP2 per block and at the root: bf16 parameters for compute, fp32 gradient reduction."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def apply_fsdp(model: TinyLlama, mesh: DeviceMesh, param_dtype: torch.dtype = torch.bfloat16,
+               reshard_after_forward: bool = True) -> None:
+    """FSDP2 per block and at the root: `param_dtype` parameters for compute, fp32 gradient reduction."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
-def build(cfg: LlamaConfig, dp: int, tp: int) -> tuple[TinyLlama, DeviceMesh]:
+def build(cfg: LlamaConfig, dp: int, tp: int, param_dtype: torch.dtype = torch.bfloat16) -> tuple[TinyLlama, DeviceMesh]:
     """The model on this rank's device, split over a (dp, tp) mesh (same initial weights on all ranks)."""
     mesh = init_device_mesh("neuron", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = TinyLlama(cfg).to("neuron")
     if tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    apply_fsdp(model, mesh["dp"])
+    if dp > 1:
+        apply_fsdp(model, mesh["dp"], param_dtype)
     return model, mesh
 
 
