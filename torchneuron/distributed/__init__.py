@@ -47,5 +47,13 @@ def register() -> None:
     _registered = True
 
 
+def __getattr__(name: str):
+    if name in ("simple_fsdp", "sharded_parameters"):  # loads DTensor only when asked for
+        from torchneuron.distributed import parallel
+
+        return getattr(parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["CollectiveMismatchError", "NeuronProcessGroup", "RankFailed", "RankPool", "free_port", "local_device", "register",
-           "select_local_device", "spawn"]
+           "select_local_device", "sharded_parameters", "simple_fsdp", "spawn"]
