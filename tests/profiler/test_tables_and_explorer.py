@@ -142,3 +142,35 @@ def test_tables_read_with_pyarrow_filters(planted):
     fallbacks = pq.read_table(os.path.join(path, "events.parquet"), filters=[("fallback", "=", True)])
     assert fallbacks.column("op").to_pylist() == ["aten::sum", "aten::sum"]
     assert fallbacks.column("source_line").to_pylist() == [LINES["fallback"]] * 2
+
+
+def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
+    from torchneuron.hardware.model import Cost
+    from torchneuron.nki.scheduler import Record
+    from torchneuron.runtime import charge
+
+    torch.neuron.synchronize()  # all streams start together
+    trace = [Record("nc_matmul", "tensor", 0.0, 2e-6, "k.py:3"), Record("dma", "dma", 1e-6, 3e-6, "k.py:4")]
+    capture = DeviceCapture().start()
+    charge("nki::my_kernel", Cost(4e-6, "tensor", 1e6, 1e4, "compute"), stream=0, meta={"trace": trace})
+    charge("fused_kernel_0", Cost(6e-6, "vector", 0.0, 1e6, "memory"), stream=0, meta={"graph": "g0", "kind": "fused"})
+    charge("c10d::all_reduce", Cost(10e-6, "link", 0.0, 1e6, "memory"), stream=1)
+    charge("c10d::all_gather", Cost(5e-6, "link", 0.0, 5e5, "memory"), stream=1)
+    capture.stop()
+    profile = read_profile(neuron_profiler.export_profile(capture, str(tmp_path / "p")))
+    events = profile["events"]
+    assert events[["kind", "category"]].values.tolist() == [["nki", "nki"], ["graph", "fused"],
+                                                            ["collective", "collective"], ["collective", "collective"]]
+    nki = profile["nki_instructions"]
+    assert nki[["engine", "instruction"]].values.tolist() == [["tensor", "nc_matmul"], ["dma", "dma"]]
+    assert nki["start_us"].tolist() == pytest.approx([0.0, 1.0]) and nki["duration_us"].tolist() == pytest.approx([2.0, 2.0])
+    assert profile["dma"]["kind"].tolist() == ["nki"]
+    coll = profile["collectives"]
+    assert coll["overlapped_us"].tolist() == pytest.approx([10.0, 0.0])
+    assert coll["exposed_us"].tolist() == pytest.approx([0.0, 5.0])
+    summary = profile["summary"].iloc[0]
+    assert summary["collective_exposed_us"] == pytest.approx(5.0) and summary["busy_us"] == pytest.approx(15.0)
+    analysis = analyse(profile)
+    assert analysis.top_ops.set_index("op")["engine"].to_dict() == {
+        "c10d::all_reduce": "link", "fused_kernel_0": "vector", "c10d::all_gather": "link", "nki::my_kernel": "tensor"}
+    assert "exposed_communication" in {f.key for f in analysis.findings}

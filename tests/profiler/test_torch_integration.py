@@ -12,6 +12,9 @@ from torchneuron.profiler.trace import DEVICE_PID_BASE
 
 from .conftest import ACTIVITIES
 
+pytestmark = [pytest.mark.filterwarnings("ignore:Profiler won't be using warmup"),
+              pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")]
+
 
 @pytest.fixture(scope="module")
 def two_ops():
@@ -101,3 +104,30 @@ def test_profile_without_neuron_work_says_so(tmp_path):
     assert not neuron_profiler.captures_of(cpu_only)
     with pytest.raises(ValueError, match="no neuron device activity"):
         neuron_profiler.export_profile(cpu_only, str(tmp_path / "p"))
+
+
+def test_profile_dir_handler_writes_one_directory_per_cycle(tmp_path):
+    x = torch.ones(8, device="neuron")
+    handler = neuron_profiler.profile_dir_handler(str(tmp_path), worker_name="w")
+    with profile(activities=ACTIVITIES, schedule=schedule(wait=0, warmup=0, active=1, repeat=2),
+                 on_trace_ready=handler) as prof:
+        for _ in range(3):
+            x.add_(1)
+            prof.step()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w_step1", "w_step2"]
+    for cycle in ("w_step1", "w_step2"):
+        profile_dir = neuron_profiler.load_profile(str(tmp_path / cycle))
+        assert profile_dir.problems == [] and profile_dir["events"]["name"].tolist() == ["aten::add_.Tensor"]
+
+
+def test_acc_events_keeps_every_cycle():
+    x = torch.ones(8, device="neuron")
+    with profile(activities=ACTIVITIES, schedule=schedule(wait=0, warmup=0, active=1, repeat=2),
+                 acc_events=True) as prof:
+        for n in range(3):
+            x.new_ones(n + 1).add_(1)
+            prof.step()
+    outputs = [e.shapes.split(" -> ")[-1] for e in neuron_profiler.device_events(prof) if e.name == "aten::add_.Tensor"]
+    assert outputs == ["f32[1]", "f32[2]"]
+    rows = {r.key: r for r in prof.key_averages()}
+    assert rows["aten::add_"].count == 2 and rows["aten::add_"].self_device_time_total > 0

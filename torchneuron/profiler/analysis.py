@@ -102,8 +102,9 @@ def _top_where(df: pd.DataFrame, n: int = 3) -> list[str]:
 def _rankings(a: Analysis, ev: pd.DataFrame, total: float, top: int) -> None:
     longest_first = ev.sort_values("duration_us", ascending=False)  # "first" = the longest call's value
     ops = longest_first.groupby("op").agg(count=("id", "size"), device_us=("duration_us", "sum"),
-                                          engine=("engine", "first"), bound=("bound", "first"),
+                                          main_engine=("engine", "first"), bound=("bound", "first"),
                                           fallbacks=("fallback", "sum"))
+    ops = ops.rename(columns={"main_engine": "engine"})  # agg(engine=...) is pandas' numba switch
     ops["share"] = ops["device_us"] / total
     a.top_ops = ops.sort_values("device_us", ascending=False).head(top).reset_index()
     src = longest_first.assign(source=_sources(longest_first)).groupby("source").agg(

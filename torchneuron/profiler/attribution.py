@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import weakref
 
+import numpy as np
+import torch
+
+from torchneuron.hardware.model import classify
 from torchneuron.hardware.targets import get_target
-from torchneuron.profiler.capture import DeviceEvent, category_of, module_path, op_base_name
+from torchneuron.profiler.capture import DeviceEvent
 from torchneuron.runtime import worklog
 
 if TYPE_CHECKING:
@@ -58,15 +62,21 @@ def _source(code: Any, line: int) -> tuple[str, int, str]:
     return code.co_filename, int(line), getattr(code, "co_qualname", code.co_name)
 
 
-def _kind(meta: dict | None, name: str) -> str:
-    kind = (meta or {}).get("kind", "")
-    if kind:
-        return str(kind)
-    lowered = name.lower()
-    for word in ("collective", "nki", "fused", "graph"):
-        if word in lowered:
-            return word
-    return "other"
+def _kind(meta: dict | None, name: str) -> tuple[str, str]:
+    """(kind, category) of work charged from Python. Conventions of the charging code: compiled
+    graphs put "graph" (and their kernel kind) in meta, NKI kernels are named "nki::<kernel>",
+    collectives "c10d::<collective>"; meta["kind"] may also name the profiler kind directly."""
+    meta = meta or {}
+    if "graph" in meta:
+        return "graph", str(meta.get("kind", "fused"))
+    kind = str(meta.get("kind", ""))
+    if kind == "nki" or name.startswith("nki::"):
+        return "nki", "nki"
+    if kind == "collective" or name.startswith("c10d::"):
+        return "collective", "collective"
+    if kind in ("fused", "graph", "op", "copy"):
+        return kind, classify(name) if kind == "op" else kind
+    return "other", kind or "other"
 
 
 def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]:
@@ -79,8 +89,11 @@ def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]
         meta, name, cost, ctx = store.meta[index], store.name[index], store.cost[index], store.ctx[index]
         batch = store.batch[index]
         decoded = decode_record(store.batches[batch][store.index[index]]) if batch >= 0 else {}
-        kind = ("copy" if decoded["copy_kind"] else "op") if batch >= 0 else _kind(meta, name)
-        category = category_of(kind, name)
+        if batch >= 0:
+            kind = "copy" if decoded["copy_kind"] else "op"
+            category = classify(name) if kind == "op" else kind
+        else:
+            kind, category = _kind(meta, name)
         if ctx >= 0:
             code, line, inner, outer, optim = store.where[ctx]
             t_ns, thread, node, seq = store.t_ns[ctx], store.thread[ctx], store.node[ctx], store.seq[ctx]
@@ -123,3 +136,23 @@ def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]
         if found is not None:
             ev.module_path, ev.module_type, ev.forward_source = found
     return events
+
+
+_roots: "weakref.WeakKeyDictionary[torch.nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def module_path(inner: torch.nn.Module | None, outer: torch.nn.Module | None) -> str:
+    """Qualified name of `inner` inside `outer` (as in `outer.named_modules()`), "" for the root."""
+    if inner is None or outer is None:
+        return ""
+    names = _roots.get(outer)
+    if names is None or id(inner) not in names:
+        names = _roots[outer] = {id(m): n for n, m in outer.named_modules(remove_duplicate=False)}
+    return names.get(id(inner), "")
+
+
+def op_base_name(name: str) -> str:
+    """"aten::sum.dim_IntList" -> "aten::sum" (torch.profiler's names carry no overload)."""
+    if name.startswith("aten::"):
+        return name.split(".", 1)[0]
+    return name

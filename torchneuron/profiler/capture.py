@@ -29,7 +29,6 @@ import sys
 import sysconfig
 import threading
 import time
-import weakref
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,6 @@ import numpy as np
 import torch
 
 from torchneuron.hardware import timeline as device_timeline
-from torchneuron.hardware.model import classify
 from torchneuron.hardware.targets import get_target
 from torchneuron.runtime import worklog
 from torchneuron.runtime.extension import ops
@@ -257,8 +255,9 @@ class DeviceCapture:
         self.peak_bytes: dict[int, int] = {}
         self.store = _Store()
         self._assigned = 0  # contexts already paired with a drained record
-        self._pending: collections.deque = collections.deque()  # (batch, index, ctx) awaiting entries
+        self._pending: collections.deque = collections.deque()  # (batch, index, ctx, name) awaiting entries
         self._running = False
+        self.linked = False  # attached to torch.profiler's events (integration.py)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "DeviceCapture":
@@ -326,23 +325,25 @@ class DeviceCapture:
         batch = len(self.store.batches)
         self.store.batches.append(records)
         available = len(self.store.t_ns)
-        for i in work:
+        op_ids = records["op_id"][list(work)].tolist()
+        for i, op_id in zip(work, op_ids):
             ctx = self._assigned if self._assigned < available else -1
             self._assigned += ctx >= 0
-            self._pending.append((batch, i, ctx))
+            self._pending.append((batch, i, ctx, worklog.op_name(op_id)))
 
     def _on_entry(self, entry: device_timeline.TimelineEntry) -> None:
         """Every piece of work charged to any timeline: records of the work log arrive in order
         during a drain; anything else was charged from Python by the current caller."""
         meta = entry.meta
-        from_log = meta is not None and meta.get("kind") in ("op", "copy") and self._pending
+        pending = self._pending
+        from_log = bool(pending) and pending[0][3] == entry.name and meta is not None and "graph" not in meta
         if len(self.store) >= self.max_events:
             self.dropped += 1
             if from_log:
                 self._pending.popleft()
             return
         if from_log:
-            batch, index, ctx = self._pending.popleft()
+            batch, index, ctx, _ = pending.popleft()
             self.store.add_entry(entry, batch, index, ctx, None)
         else:
             self.store.add_entry(entry, -1, -1, self.store.add_context(sys._getframe(1)), meta)
@@ -375,27 +376,3 @@ def _device_stats(device: int) -> tuple[int, int, int]:
     stats = torch._C._accelerator_getDeviceStats(device)
     allocated = stats["allocated_bytes"]["all"]
     return allocated["current"], allocated["peak"], stats["reserved_bytes"]["all"]["current"]
-
-
-_roots: "weakref.WeakKeyDictionary[torch.nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
-
-
-def module_path(inner: torch.nn.Module | None, outer: torch.nn.Module | None) -> str:
-    """Qualified name of `inner` inside `outer` (as in `outer.named_modules()`), "" for the root."""
-    if inner is None or outer is None:
-        return ""
-    names = _roots.get(outer)
-    if names is None or id(inner) not in names:
-        names = _roots[outer] = {id(m): n for n, m in outer.named_modules(remove_duplicate=False)}
-    return names.get(id(inner), "")
-
-
-def op_base_name(name: str) -> str:
-    """"aten::sum.dim_IntList" -> "aten::sum" (torch.profiler's names carry no overload)."""
-    if name.startswith("aten::"):
-        return name.split(".", 1)[0]
-    return name
-
-
-def category_of(kind: str, name: str) -> str:
-    return classify(name) if kind == "op" else kind

@@ -87,32 +87,52 @@ def _stop_trace(original: Callable) -> Callable:
     def stop_trace(self: _KinetoProfile) -> None:
         capture: DeviceCapture | None = getattr(self, "_torchneuron_capture", None)
         self._torchneuron_capture = None
+        inner = self.profiler
+        if inner is not None:
+            inner._torchneuron_host_trace = None  # a new Kineto result is coming
+            if capture is not None:
+                if getattr(inner, "_torchneuron_captures", None) is None:
+                    inner._torchneuron_captures = []
+                inner._torchneuron_captures.append(capture)
         try:
-            original(self)
+            original(self)  # with acc_events this already builds the cycle's events
         finally:
             if capture is not None:
-                capture.stop()
-        if self.profiler is not None:
-            self.profiler._torchneuron_host_trace = None  # a new Kineto result
-        if capture is not None and self.profiler is not None:
-            if not hasattr(self.profiler, "_torchneuron_captures") or not self.acc_events:
-                self.profiler._torchneuron_captures = []
-            self.profiler._torchneuron_captures.append(capture)
-            if not capture.events:
-                warnings.warn("torchneuron profiler: no neuron device work was recorded in this profile "
-                              "(were the model and inputs moved to 'neuron'?)", stacklevel=3)
+                capture.stop()  # after Kineto stopped: its final drain stays out of the host trace
+        if inner is not None:
+            _link_pending(inner)
+        if capture is not None and not capture.events:
+            warnings.warn("torchneuron profiler: no neuron device work was recorded in this profile "
+                          "(were the model and inputs moved to 'neuron'?)", stacklevel=3)
     return stop_trace
 
 
 def _ensure_function_events(original: Callable) -> Callable:
     def ensure(self: autograd_profiler.profile) -> Any:
         fresh = self._function_events is None
+        earlier = {id(e) for e in (self._old_function_events or ())}  # acc_events: previous cycles
         result = original(self)
-        captures = getattr(self, "_torchneuron_captures", None)
-        if fresh and captures and self._function_events is not None and self.kineto_results is not None:
-            self._torchneuron_link = link(self._function_events, captures, self.kineto_results.trace_start_ns())
+        if fresh and self._function_events is not None:
+            self._torchneuron_cycle = [e for e in self._function_events if id(e) not in earlier]
+            _link_pending(self)
         return result
     return ensure
+
+
+def _link_pending(inner: autograd_profiler.profile) -> None:
+    """Links the finished, not yet linked captures to the events of the latest cycle, once both exist."""
+    cycle = getattr(inner, "_torchneuron_cycle", None)
+    captures = [c for c in getattr(inner, "_torchneuron_captures", None) or ()
+                if not c.running and not c.linked]
+    if cycle is None or not captures or inner._function_events is None or inner.kineto_results is None:
+        return
+    kept, device_events, stats = link(cycle, captures, inner.kineto_results.trace_start_ns())
+    in_cycle = {id(e) for e in cycle}
+    inner._function_events[:] = kept + device_events + [e for e in inner._function_events if id(e) not in in_cycle]
+    inner._torchneuron_cycle = None
+    inner._torchneuron_link = stats
+    for capture in captures:
+        capture.linked = True
 
 
 def _export_chrome_trace(original: Callable) -> Callable:

@@ -62,9 +62,11 @@ class _Intervals:
         return None
 
 
-def link(function_events: list[Any], captures: list[DeviceCapture], trace_start_ns: int) -> dict[str, int]:
-    """Removes bookkeeping events from `function_events` (in place) and attaches each captured
-    device event to its issuing op. Returns counts {"linked": n, "unlinked": m, "hidden": k}."""
+def link(function_events: list[Any], captures: list[DeviceCapture],
+         trace_start_ns: int) -> tuple[list[Any], list[FunctionEvent], dict[str, int]]:
+    """Attaches each captured device event to its issuing op among `function_events` (the events
+    of one profiling cycle, times relative to `trace_start_ns`). Returns the events without the
+    bookkeeping ones, the new device-side FunctionEvents, and counts {"linked", "unlinked", "hidden"}."""
     hidden = bookkeeping_ids(function_events)
     callbacks = _Intervals([e for e in function_events if e.name in BOOKKEEPING])
     ops = _Intervals([e for e in function_events if id(e) not in hidden and not e.is_async
@@ -91,13 +93,11 @@ def link(function_events: list[Any], captures: list[DeviceCapture], trace_start_
             owner.append_kernel(kernel_name(ev), ev.device, ev.duration_us)
             ev.host_op, ev.host_op_id = owner.name, int(owner.id)
             linked += 1
-    if hidden:
-        for e in function_events:
-            if e.cpu_parent is not None and id(e.cpu_parent) in hidden:
-                e.cpu_parent = None
-        function_events[:] = [e for e in function_events if id(e) not in hidden]
-    function_events.extend(device_events)
-    return {"linked": linked, "unlinked": unlinked, "hidden": len(hidden)}
+    for e in function_events:
+        if e.cpu_parent is not None and id(e.cpu_parent) in hidden:
+            e.cpu_parent = None
+    kept = [e for e in function_events if id(e) not in hidden]
+    return kept, device_events, {"linked": linked, "unlinked": unlinked, "hidden": len(hidden)}
 
 
 def kernel_name(ev: DeviceEvent) -> str:

@@ -266,6 +266,19 @@ def _instruction(rec: Any) -> tuple[str, str, float, float, str]:
     return rec.kind, rec.engine, float(rec.start), float(rec.end), getattr(rec, "where", "")
 
 
+def _instruction_trace(meta: dict | None) -> list:
+    """An NKI kernel's scheduled instructions, if its charge attached them: meta["trace"] (the
+    simulator's Records, or dicts/tuples with kind, engine, start, end, where; seconds from the
+    kernel start), or meta["instructions"] when that is such a list rather than a count."""
+    if not meta:
+        return []
+    for key in ("trace", "instructions"):
+        value = meta.get(key)
+        if isinstance(value, (list, tuple)):
+            return list(value)
+    return []
+
+
 def _detail_rows(captures: list[DeviceCapture], events: list[dict]) -> dict[str, list[dict]]:
     """nki_instructions, dma, memory and collectives rows."""
     nki, dma, memory, collectives = [], [], [], []
@@ -284,7 +297,7 @@ def _detail_rows(captures: list[DeviceCapture], events: list[dict]) -> dict[str,
                         "bytes": row["bytes"], "start_us": row["start_us"], "duration_us": row["duration_us"],
                         "bytes_per_s": row["bytes"] / (row["duration_us"] * 1e-6) if row["duration_us"] else 0.0,
                         **src})
-        for rec in (ev.meta or {}).get("instructions", ()) or ():
+        for rec in _instruction_trace(ev.meta):
             kind, engine, start, end, where = _instruction(rec)
             start_us = row["start_us"] + start * 1e6
             nki.append({"event_id": row["id"], "kernel": row["name"], "device": row["device"], "engine": engine,
