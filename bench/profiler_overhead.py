@@ -5,11 +5,11 @@ Runs, in one process and interleaved round by round, the same training step
   cpu                  torch.profiler with ProfilerActivity.CPU only (Kineto's own cost),
   cpu+neuron           torch.profiler with CPU and PrivateUse1: neuron device capture with
                        source lines, module paths and device time per op (issue #7),
-and prints the median CPU time of this process per step (process_time: steadier than wall time on a
-shared machine; with one intra-op thread the two agree on an idle one) and the ratios cpu+neuron/off (goal: at most 1.5x) and
-cpu+neuron/cpu (what the neuron capture adds to Kineto). The profile's post-processing
-(linking into key_averages, Parquet export) happens after the profiled steps and is timed
-separately, per step recorded. Prints the machine it ran on.
+and prints the median CPU time of this process per step (process_time: steadier than wall time
+on a shared machine; with one intra-op thread the two agree on an idle one) and the ratios
+cpu+neuron/off (goal: at most 1.5x) and cpu+neuron/cpu (what the neuron capture adds to
+Kineto). The profile's post-processing (linking into key_averages, Parquet export) happens
+after the profiled steps and is timed separately, per step recorded. Prints the machine.
 
     .venv/bin/python bench/profiler_overhead.py [--rounds 7] [--steps 10] [--quick]
 """

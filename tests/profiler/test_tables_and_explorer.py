@@ -163,7 +163,8 @@ def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
                                                             ["collective", "collective"], ["collective", "collective"]]
     nki = profile["nki_instructions"]
     assert nki[["engine", "instruction"]].values.tolist() == [["tensor", "nc_matmul"], ["dma", "dma"]]
-    assert nki["start_us"].tolist() == pytest.approx([0.0, 1.0]) and nki["duration_us"].tolist() == pytest.approx([2.0, 2.0])
+    assert nki["start_us"].tolist() == pytest.approx([0.0, 1.0])
+    assert nki["duration_us"].tolist() == pytest.approx([2.0, 2.0])
     assert profile["dma"]["kind"].tolist() == ["nki"]
     coll = profile["collectives"]
     assert coll["overlapped_us"].tolist() == pytest.approx([10.0, 0.0])

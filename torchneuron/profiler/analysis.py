@@ -91,7 +91,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _top_where(df: pd.DataFrame, n: int = 3) -> list[str]:
-    by = df.assign(_src=_sources(df)).groupby("_src")["duration_us"].agg(["sum", "count"])
+    by = df.assign(_src=_sources(df)).groupby("_src", observed=True)["duration_us"].agg(["sum", "count"])
     by = by.sort_values("sum", ascending=False).head(n)
     return [f"{src}: {int(row['count'])}x, {_fmt_us(row['sum'])}" for src, row in by.iterrows()]
 
@@ -101,13 +101,13 @@ def _top_where(df: pd.DataFrame, n: int = 3) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 def _rankings(a: Analysis, ev: pd.DataFrame, total: float, top: int) -> None:
     longest_first = ev.sort_values("duration_us", ascending=False)  # "first" = the longest call's value
-    ops = longest_first.groupby("op").agg(count=("id", "size"), device_us=("duration_us", "sum"),
+    ops = longest_first.groupby("op", observed=True).agg(count=("id", "size"), device_us=("duration_us", "sum"),
                                           main_engine=("engine", "first"), bound=("bound", "first"),
                                           fallbacks=("fallback", "sum"))
     ops = ops.rename(columns={"main_engine": "engine"})  # agg(engine=...) is pandas' numba switch
     ops["share"] = ops["device_us"] / total
     a.top_ops = ops.sort_values("device_us", ascending=False).head(top).reset_index()
-    src = longest_first.assign(source=_sources(longest_first)).groupby("source").agg(
+    src = longest_first.assign(source=_sources(longest_first)).groupby("source", observed=True).agg(
         count=("id", "size"), device_us=("duration_us", "sum"), top_op=("op", "first"))
     src["share"] = src["device_us"] / total
     a.top_sources = src.sort_values("device_us", ascending=False).head(top).reset_index()
@@ -117,16 +117,16 @@ def _rankings(a: Analysis, ev: pd.DataFrame, total: float, top: int) -> None:
             module=[p if p else f"<{t}>" for p, t in zip(mods["module_path"], mods["module_type"])],
             forward_us=mods["duration_us"].where(mods["phase"] == "forward", 0.0),
             backward_us=mods["duration_us"].where(mods["phase"] == "backward", 0.0),
-        ).groupby("module").agg(count=("id", "size"), device_us=("duration_us", "sum"),
+        ).groupby("module", observed=True).agg(count=("id", "size"), device_us=("duration_us", "sum"),
                                 forward_us=("forward_us", "sum"), backward_us=("backward_us", "sum"))
         grouped["share"] = grouped["device_us"] / total
         a.top_modules = grouped.sort_values("device_us", ascending=False).head(top).reset_index()
-    spans = ev.groupby("device").agg(start=("start_us", "min"), end=("end_us", "max"))
+    spans = ev.groupby("device", observed=True).agg(start=("start_us", "min"), end=("end_us", "max"))
     span_total = float((spans["end"] - spans["start"]).sum()) or 1.0
-    eng = ev.groupby("engine").agg(busy_us=("duration_us", "sum"), kernels=("id", "size"))
+    eng = ev.groupby("engine", observed=True).agg(busy_us=("duration_us", "sum"), kernels=("id", "size"))
     eng["utilisation"] = eng["busy_us"] / span_total
     a.engines = eng.sort_values("busy_us", ascending=False).reset_index()
-    bounds = ev.groupby("bound").agg(device_us=("duration_us", "sum"), kernels=("id", "size"))
+    bounds = ev.groupby("bound", observed=True).agg(device_us=("duration_us", "sum"), kernels=("id", "size"))
     bounds["share"] = bounds["device_us"] / total
     a.bounds = bounds.sort_values("device_us", ascending=False).reset_index()
 
@@ -136,7 +136,7 @@ def _rankings(a: Analysis, ev: pd.DataFrame, total: float, top: int) -> None:
 # ------------------------------------------------------------------------------------------------
 def _fallbacks(a: Analysis, ev: pd.DataFrame, total: float) -> None:
     fb = ev[ev["fallback"].astype(bool)]
-    for (op, dtype), group in fb.groupby(["op", "dtype"]):
+    for (op, dtype), group in fb.groupby(["op", "dtype"], observed=True):
         t = float(group["duration_us"].sum())
         if dtype in FALLBACK_DTYPES:
             why = f"ran on the host because its operands are {dtype}: the NeuronCore has no FP64/complex hardware"
@@ -187,7 +187,7 @@ def _chains(ev: pd.DataFrame) -> list[list[int]]:
     tensor of the shape the previous one produced (a proxy for the data dependence)."""
     eligible = (ev["kind"] == "op") & ev["category"].isin(ELEMENTWISE) & ~ev["fallback"].astype(bool)
     chains: list[list[int]] = []
-    for _, lane in ev.sort_values("start_us").groupby(["device", "stream", "cycle"]):
+    for _, lane in ev.sort_values("start_us").groupby(["device", "stream", "cycle"], observed=True):
         run: list[int] = []
         produced: list[str] = []
         for idx, ok, shapes in zip(lane.index, eligible.loc[lane.index], lane["shapes"]):
@@ -266,7 +266,7 @@ def _launch(a: Analysis, ev: pd.DataFrame, total: float) -> None:
 
 
 def _idle(a: Analysis, ev: pd.DataFrame) -> None:
-    for (device, cycle), dev in ev.groupby(["device", "cycle"]):
+    for (device, cycle), dev in ev.groupby(["device", "cycle"], observed=True):
         span = float(dev["end_us"].max() - dev["start_us"].min())
         found = gaps(list(zip(dev["start_us"], dev["end_us"])))
         idle = sum(b - s for s, b in found)
@@ -341,8 +341,9 @@ def analyse(profile: Profile, top: int = 10) -> Analysis:
         a.problems.append("no device events to analyse" + ("" if ev is not None else " (events.parquet unreadable)"))
         kernels = tables.get("kernels")
         if kernels is not None and len(kernels):
-            a.top_ops = kernels.groupby("name").agg(device_us=("total_us", "sum"), count=("count", "sum")) \
-                .sort_values("device_us", ascending=False).head(top).reset_index().rename(columns={"name": "op"})
+            by_name = kernels.groupby("name", observed=True).agg(device_us=("total_us", "sum"), count=("count", "sum"))
+            a.top_ops = by_name.sort_values("device_us", ascending=False).head(top).reset_index() \
+                .rename(columns={"name": "op"})
         return a
     total = float(ev["duration_us"].sum()) or 1.0
     a.overview.setdefault("device_time_us", total)

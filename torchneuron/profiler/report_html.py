@@ -75,8 +75,8 @@ def _roofline(kernels: pd.DataFrame | None, summary: pd.DataFrame | None, size: 
     if not len(k):
         return "<p>No kernel with both FLOPs and bytes.</p>"
     peak, bw = float(summary["peak_flops_bf16"].iat[0]), float(summary["hbm_bytes_per_s"].iat[0])
-    peaks = {"bf16 peak": peak, **{f"{d} peak": p for d, p in
-                                   k.groupby("dtype")["peak_flops_per_s"].max().items() if p > 0 and p != peak}}
+    by_dtype = k.groupby("dtype", observed=True)["peak_flops_per_s"].max()
+    peaks = {"bf16 peak": peak, **{f"{d} peak": p for d, p in by_dtype.items() if p > 0 and p != peak}}
     xs = list(k["arithmetic_intensity"]) + [peak / bw]
     ys = list(k["achieved_flops_per_s"]) + list(peaks.values())
     x0, x1 = math.floor(math.log10(min(xs))) - 1, math.ceil(math.log10(max(xs))) + 1

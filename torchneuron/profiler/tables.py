@@ -486,8 +486,9 @@ def read_profile(path: str) -> Profile:
             if name in listed or profile.manifest:
                 profile.problems.append(f"{name}.parquet is missing")
             continue
-        try:
-            df = pq.read_table(file).to_pandas()
+        try:  # strings as categoricals: they repeat a lot, and a big profile must fit in memory
+            strings = [c for c, t, _, _ in cols if t == S]
+            df = pq.read_table(file, read_dictionary=strings).to_pandas()
         except Exception as e:  # noqa: BLE001 - any damage: report and go on
             profile.problems.append(f"{name}.parquet is unreadable ({type(e).__name__}: {str(e)[:120]})")
             continue
