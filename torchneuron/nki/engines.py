@@ -179,8 +179,11 @@ def out_dtype(dtype: Any, *inputs: Any) -> torch.dtype:
     return best or torch.float32
 
 
+RESULT = "~result"  # name of buffers the simulator allocated for an instruction's result
+
+
 def new_tile(run: Run, shape: tuple, tdtype: torch.dtype, buffer: str = "sbuf") -> Tile:
-    return Tile.whole(run.allocate(buffer, tuple(shape), tdtype))
+    return Tile.whole(run.allocate(buffer, tuple(shape), tdtype, name=RESULT))
 
 
 def check_compute_dtype(run: Run, tdtype: torch.dtype, what: str) -> None:
@@ -393,6 +396,15 @@ def matmul(stationary: Tile, moving: Tile, dst: Tile | None = None, *, accumulat
            mask: Any = None, what: str = "nc_matmul") -> Tile:
     """dst[M, N] (+)= stationary[K, M].T @ moving[K, N] on the Tensor engine, fp32 in PSUM."""
     run = current()
+    operands = []
+    for t in (stationary, moving):
+        if isinstance(t, Tile) and t.buf.kind == "psum" and t.buf.name == RESULT:
+            # an instruction result whose placement the kernel left to the compiler: it is
+            # moved to SBUF (one charged copy), as the compiler does
+            t = elementwise("tensor_copy", lambda v: v, [t])
+            run.flush()
+        operands.append(t)
+    stationary, moving = operands
     for t, name in ((stationary, "stationary"), (moving, "moving")):
         if not isinstance(t, Tile):
             raise EngineRuleError(f"{what}: {name} operand must be an SBUF tile")

@@ -248,6 +248,8 @@ def load(src: Tile, *, mask: Any = None, dtype: Any = None, **kwargs) -> Tile:
     if not isinstance(src, Tile):
         raise NKIError("nl.load needs an HBM tensor (or an indexed part of one)", rule="load")
     tdtype = _dt.to_torch(dtype) if dtype is not None else src.buf.tdtype
+    if not src.shape:  # a scalar element loads as a [1, 1] tile
+        src = Tile(src.buf, (1, 1), src.base, ((), ()))
     dst = Tile.whole(run.allocate("sbuf", tuple(src.shape), tdtype))
     _E.dma(dst, src, mask, "nl.load", fresh=True)
     return dst
