@@ -5,7 +5,6 @@ import warnings
 from typing import Callable
 
 import pytest
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchneuron.profiler as neuron_profiler

@@ -64,6 +64,10 @@ def test_directory_holds_every_table_with_its_schema(planted):
     kernels = pd.read_parquet(os.path.join(path, "kernels.parquet"))
     mul = kernels[kernels["shapes"].str.startswith("f32[1024, 1024]") & (kernels["name"] == "aten::mul.Tensor")]
     assert mul["count"].tolist() == [2] and mul["bound"].tolist() == ["memory"]
+    host = pd.read_parquet(os.path.join(path, "host_ops.parquet"))
+    assert (events["host_op_id"] >= 0).all()  # every device event is linked to the op that issued it
+    assert host.loc[host["depth"] == 0, "device_us"].sum() == pytest.approx(events["duration_us"].sum())
+    assert host["self_device_us"].sum() == pytest.approx(events["duration_us"].sum())
     with open(os.path.join(path, "trace.json")) as f:
         assert any(e.get("cat") == "neuron_op" for e in json.load(f)["traceEvents"])
 

@@ -19,9 +19,13 @@ What is native and what is parallel:
   `device_events(prof)` and in the Parquet tables of `export_profile`.
 
 Modules: capture.py (recording, the hot path), attribution.py (source lines, modules,
-phases), linking.py (device time into torch.profiler events), integration.py (the patches),
-trace.py (Chrome trace), tables.py (Parquet + schema), analysis.py (findings),
-report_text.py / report_html.py (explorer output), explorer_cli.py (the command).
+phases, after the fact), linking.py (device time into torch.profiler events), integration.py
+(the patches), trace.py (Chrome trace), tables.py (Parquet + schema), overlap.py (interval
+arithmetic), analysis.py (findings), report_text.py / report_html.py (explorer output),
+explorer_cli.py (the `torchneuron explorer` command).
+
+Environment: TORCHNEURON_PROFILER_MAX_EVENTS (default 1000000) caps the device events one
+profiling cycle keeps; events past it are counted and reported as dropped.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from torchneuron.profiler.overlap import busy_intervals, gaps
+from torchneuron.profiler.overlap import gaps
 from torchneuron.profiler.tables import Profile
 
 FALLBACK_DTYPES = {"f64", "c64", "c128", "complex32"}

@@ -44,7 +44,7 @@ from torchneuron.runtime.extension import ops
 __all__ = ["DeviceEvent", "DeviceCapture", "MemorySample", "active_capture"]
 
 DEFAULT_THRESHOLD = 1 << 15  # the work log's drain threshold outside profiling (worklog.cpp)
-MAX_EVENTS = int(os.environ.get("TORCHNEURON_PROFILER_MAX_EVENTS", "2000000"))
+MAX_EVENTS = int(os.environ.get("TORCHNEURON_PROFILER_MAX_EVENTS", "1000000"))
 
 
 @dataclass(slots=True)

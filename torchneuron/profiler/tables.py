@@ -331,18 +331,21 @@ def _host_op_rows(prof: Any) -> list[dict]:
         function_events = prof.events() if hasattr(prof, "events") else None
     except Exception:  # noqa: BLE001 - trace_only profiles have no events
         return []
-    rows = []
-    for e in function_events or ():
-        if e.device_type.name != "CPU" or e.is_async:
-            continue
-        depth, parent = 0, e.cpu_parent
-        while parent is not None:
-            depth, parent = depth + 1, parent.cpu_parent
-        rows.append({"id": int(e.id), "name": e.name, "thread": int(e.thread), "start_us": e.time_range.start,
-                     "duration_us": e.time_range.elapsed_us(), "self_cpu_us": float(e.self_cpu_time_total),
-                     "device_us": float(e.device_time_total), "self_device_us": float(e.self_device_time_total),
-                     "depth": depth})
-    return rows
+    cpu = [e for e in function_events or () if e.device_type.name == "CPU" and not e.is_async]
+    depth: dict[int, int] = {}
+    total: dict[int, float] = {}
+    for e in sorted(cpu, key=lambda e: e.time_range.start):  # parents start before their children
+        parent = e.cpu_parent
+        depth[id(e)] = depth.get(id(parent), -1) + 1 if parent is not None else 0
+    for e in sorted(cpu, key=lambda e: -depth[id(e)]):  # children first: device time with children
+        own = sum(k.duration for k in e.kernels)
+        total[id(e)] = total.get(id(e), 0.0) + own
+        if e.cpu_parent is not None:
+            total[id(e.cpu_parent)] = total.get(id(e.cpu_parent), 0.0) + total[id(e)]
+    return [{"id": int(e.id), "name": e.name, "thread": int(e.thread), "start_us": e.time_range.start,
+             "duration_us": e.time_range.elapsed_us(), "self_cpu_us": float(e.self_cpu_time_total),
+             "device_us": total[id(e)], "self_device_us": float(sum(k.duration for k in e.kernels)),
+             "depth": depth[id(e)]} for e in cpu]
 
 
 def _summary_rows(captures: list[DeviceCapture], events: list[dict], collectives: list[dict]) -> list[dict]:
