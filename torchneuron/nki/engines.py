@@ -525,8 +525,7 @@ def _dma_runs(t: Tile) -> int:
 def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False) -> Tile:
     """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast."""
     run = current()
-    if src.buf.kind == "psum" and dst.buf.kind in HBM_KINDS:
-        pass  # the compiler stages PSUM through SBUF; priced as one transfer
+    # (a PSUM source stored to HBM is staged through SBUF by the compiler; priced as one transfer)
     for t in (src, dst):
         if t.buf.kind not in HBM_KINDS:
             t.check_tile(what)

@@ -8,7 +8,6 @@ that return new tiles. Each call is one (sometimes two) hardware instructions ex
 """
 from __future__ import annotations
 
-import math as _math
 from typing import Any, Sequence
 
 import numpy as np
