@@ -347,6 +347,12 @@ def analyse(profile: Profile, top: int = 10) -> Analysis:
         return a
     total = float(ev["duration_us"].sum()) or 1.0
     a.overview.setdefault("device_time_us", total)
+    priced_as_host = ev[(ev["engine"] == "host") & ~ev["fallback"].astype(bool)]
+    if len(priced_as_host):
+        a.problems.append(
+            f"{len(priced_as_host)} events ({_fmt_us(priced_as_host['duration_us'].sum())}) ran on the device but the "
+            "performance model priced them as host round trips (e.g. a 0-dim float64 scalar operand): "
+            + ", ".join(sorted(set(priced_as_host["op"].astype(str)))[:5]))
     launch = float(a.overview.get("launch_cost_us", 0.0))
     _rankings(a, ev, total, top)
     _fallbacks(a, ev, total)
