@@ -180,11 +180,28 @@ def _timeline(r: int, w: int) -> dict:
     return times
 
 
+def _charges(r: int, w: int) -> dict:
+    """What each collective charged to the device timeline: (name, stream, modeled seconds)."""
+    from torchneuron.hardware import timeline
+
+    entries = []
+    timeline.add_listener(entries.append)
+    x = torch.ones(256, device="neuron")
+    dist.all_reduce(x)
+    dist.all_gather_into_tensor(torch.empty(256 * w, device="neuron"), x)
+    dist.reduce_scatter_tensor(torch.empty(256 // w, device="neuron"), x)
+    dist.all_to_all_single(torch.empty(256, device="neuron"), x)
+    dist.broadcast(x, 0)
+    timeline.remove_listener(entries.append)
+    return {"charges": [(e.name, e.stream, e.duration_s) for e in entries if e.name.startswith("c10d::")],
+            "compute_stream": torch.neuron.current_stream().stream_id}
+
+
 def _collectives_job() -> dict:
     dist.init_process_group("neuron")
     r, w = dist.get_rank(), dist.get_world_size()
     out = {"rank": r, "world": w, "device": torch.neuron.current_device(), "backend": dist.get_backend()}
-    for part in (_reductions, _movement, _point_to_point, _objects, _functional, _subgroups, _timeline):
+    for part in (_reductions, _movement, _point_to_point, _objects, _functional, _subgroups, _charges, _timeline):
         out.update(part(r, w))
     dist.destroy_process_group()
     return out
@@ -298,3 +315,19 @@ def test_collectives_charged_on_a_comm_stream_that_overlaps(ranks):
         assert o["t_sync"] == pytest.approx(o["t_compute"] + o["t_comm"], rel=0.05)
         assert o["t_async"] == pytest.approx(max(o["t_compute"], o["t_comm"]), rel=0.05)
         assert o["t_async"] < o["t_sync"]
+
+
+def test_each_collective_charged_with_the_model_cost(ranks):
+    from torchneuron.hardware.model import collective_cost
+
+    w = len(ranks)
+    nbytes = 256 * 4  # the full buffer: all-reduced, gathered, unscattered, sent
+    expected = [("c10d::all_reduce", collective_cost("all_reduce", nbytes, w)),
+                ("c10d::all_gather_single", collective_cost("all_gather", nbytes * w, w)),
+                ("c10d::reduce_scatter_single", collective_cost("reduce_scatter", nbytes, w)),
+                ("c10d::all_to_all", collective_cost("all_to_all", nbytes, w)),
+                ("c10d::broadcast", collective_cost("broadcast", nbytes, w))]
+    for o in ranks:
+        assert [name for name, _, _ in o["charges"]] == [name for name, _ in expected]
+        assert [seconds for _, _, seconds in o["charges"]] == pytest.approx([c.duration_s for _, c in expected])
+        assert all(stream != o["compute_stream"] for _, stream, _ in o["charges"])

@@ -73,10 +73,13 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
 
 def _pool_main(rank: int, world_size: int, tasks: Any, results: Any, threads: int) -> None:
     torch.set_num_threads(threads)
+    base = dict(os.environ)
     while (task := tasks.get()) is not None:
         job, fn, args, port, env = task
         _job_env(rank, world_size, port, env)
         _run_job(job, rank, fn, args, results)
+        os.environ.clear()  # a job's environment does not leak into the next
+        os.environ.update(base)
 
 
 def _collect(job: int, processes: list, results: Any, timeout: float, allow_exit: bool = False) -> list[Any]:

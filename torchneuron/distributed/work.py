@@ -11,6 +11,7 @@ that event, so compute issued between a collective and its wait overlaps it on t
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,16 @@ import torch.distributed as dist
 from torchneuron.hardware.model import collective_cost
 from torchneuron.hardware.timeline import recording_enabled
 from torchneuron.runtime import charge
+
+
+_overlap = os.environ.get("TORCHNEURON_DIST_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def set_overlap(enabled: bool) -> None:
+    """Collectives on their group's own stream (True, the default, as with NCCL) or on the issuing
+    stream (False: communication never overlaps compute; for what-if comparisons)."""
+    global _overlap
+    _overlap = bool(enabled)
 
 
 class CommStreams:
@@ -38,7 +49,7 @@ class CommStreams:
         issued on the current stream. Returns the event at its end (None when timing is off)."""
         if not recording_enabled():
             return None
-        comm = self.get(device)
+        comm = self.get(device) if _overlap else torch.neuron.current_stream(device)
         comm.wait_stream(torch.neuron.current_stream(device))
         charge(f"c10d::{kind}", collective_cost(kind, nbytes, ranks), device=device, stream=comm.stream_id,
                meta=meta)
