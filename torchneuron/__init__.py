@@ -24,6 +24,8 @@ from torchneuron.distributed import register as _register_distributed  # noqa: E
 
 _register_distributed()  # the c10d backend "neuron" (torch.distributed is already imported by torch)
 
+import torchneuron.profiler  # noqa: E402,F401  (torch.profiler records neuron device activity)
+
 from torchneuron.hardware import get_target, set_target  # noqa: E402
 from torchneuron.ops.policy import fallback_counts, reset_fallback_counts, set_strict  # noqa: E402
 from torchneuron.runtime.memory import set_capacity as set_memory_capacity  # noqa: E402
