@@ -10,6 +10,7 @@ per-engine utilisation of the last call are kept on the kernel (`kernel.last_sta
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import json
 import os
@@ -113,6 +114,8 @@ class Kernel:
         result = None
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # whole-tile ops are small: thread wake-ups would dominate
+        gc_was_on = gc.isenabled()
+        gc.disable()  # tiles and access records form no cycles; collections only cost time here
         try:
             run.grid = grid if self.grid else ()
             for idx, pid in enumerate(itertools.product(*[range(g) for g in grid])):
@@ -130,6 +133,8 @@ class Kernel:
         finally:
             set_current(None)
             torch.set_num_threads(threads)
+            if gc_was_on:
+                gc.enable()
         latency = max(s.makespan for s in scheds)
         busy: dict = {}
         counts: dict = {}

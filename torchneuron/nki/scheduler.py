@@ -39,32 +39,52 @@ def _covers(a: tuple | None, b: tuple | None) -> bool:
 
 
 class Timeline:
-    """Busy intervals of one resource, merged and sorted; places work in the first gap."""
+    """Busy intervals of one resource, merged and sorted; places work in the first gap.
 
-    __slots__ = ("starts", "ends")
+    Gaps narrower than the shortest instruction seen on the resource can never be used and
+    are closed; a search that passes `SCAN` intervals without a fitting gap places the
+    instruction after the last one (keeps placement O(log n) on long, fragmented timelines).
+    """
+
+    __slots__ = ("starts", "ends", "min_busy")
+    SCAN = 256
 
     def __init__(self):
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.min_busy = float("inf")
 
     def place(self, ready: float, busy: float) -> float:
         starts, ends = self.starts, self.ends
+        if 0 < busy < self.min_busy:
+            self.min_busy = busy
         i = bisect_right(ends, ready)  # first interval ending after `ready`
         t = ready
         n = len(starts)
+        if n - i > self.SCAN:
+            stop = i + self.SCAN
+            while i < stop and starts[i] < t + busy:
+                if ends[i] > t:
+                    t = ends[i]
+                i += 1
+            if i == stop:
+                i, t = n, max(ready, ends[-1])
         while i < n and starts[i] < t + busy:
             if ends[i] > t:
                 t = ends[i]
             i += 1
-        # occupy [t, t + busy): insert at i, merging with neighbours that touch
+        # occupy [t, t + busy): insert at i, merging with neighbours closer than any instruction
         e = t + busy
-        if i > 0 and ends[i - 1] >= t:
+        gap = self.min_busy
+        if i > 0 and t - ends[i - 1] < gap:
             i -= 1
-            ends[i] = max(ends[i], e)
-            if i + 1 < len(starts) and starts[i + 1] <= ends[i]:
-                ends[i] = max(ends[i], ends[i + 1])
+            if e > ends[i]:
+                ends[i] = e
+            if i + 1 < len(starts) and starts[i + 1] - ends[i] < gap:
+                if ends[i + 1] > ends[i]:
+                    ends[i] = ends[i + 1]
                 del starts[i + 1], ends[i + 1]
-        elif i < n and starts[i] <= e:
+        elif i < n and starts[i] - e < gap:
             starts[i] = t
         else:
             starts.insert(i, t)
