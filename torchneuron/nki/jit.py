@@ -56,9 +56,11 @@ class KernelStats:
 
 
 def _target(platform_target: str | None) -> Target:
-    """jit(platform_target=...) > $NEURON_PLATFORM_TARGET_OVERRIDE (read per call, as NKI
-    does) > the process target (set_target / $TORCHNEURON_TARGET)."""
-    name = platform_target or os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    """jit(platform_target=...) > $NEURON_PLATFORM_TARGET_OVERRIDE, read per call as NKI does
+    (unless $TORCHNEURON_TARGET is set, which the process target already honours) > the
+    process target (`torchneuron.set_target` / $TORCHNEURON_TARGET)."""
+    name = platform_target or (None if os.environ.get("TORCHNEURON_TARGET")
+                               else os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE"))
     if name:
         name = str(name).lower().replace("gen2", "trn1").replace("gen3", "trn2").replace("gen4", "trn3")
         if name not in TARGETS:
