@@ -19,6 +19,7 @@ F32 = torch.float32
 def test_eager_ops_are_counted_and_priced_by_the_model(profiled):
     a = torch.randn(64, 64, device="neuron")
     b = torch.randn(64, 64, device="neuron")
+    charge("busy_elsewhere", Cost(1e-3, "vector", 0.0, 0.0, "latency"), stream=3)  # a stream far ahead
     lines = []
 
     def program():

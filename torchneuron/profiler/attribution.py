@@ -33,8 +33,11 @@ def _short_dtype(dtype: Any) -> str:
     return _DTYPE_NAMES.get(name, name)
 
 
+_IDENTITY = np.r_[0:8, 16:28, 48:worklog.RECORD.itemsize]  # bytes that decode_record depends on
+
+
 def decode_record(rec: np.void) -> dict[str, Any]:
-    """The fields of one raw work-log record that the profiler reports."""
+    """The fields of one raw work-log record that the profiler reports (but host time)."""
     flags, n_sigs, n_inputs = int(rec["flags"]), int(rec["n_sigs"]), int(rec["n_inputs"])
     sigs = []
     for i in range(n_sigs):
@@ -49,7 +52,6 @@ def decode_record(rec: np.void) -> dict[str, Any]:
         copy_kind = "d2d" if flags & worklog.DEVICE_TO_DEVICE else ("h2d" if flags & worklog.HOST_TO_DEVICE else "d2h")
     return {
         "fallback": bool(flags & worklog.FALLBACK),
-        "host_fallback_us": float(rec["host_seconds"]) * 1e6 if flags & worklog.FALLBACK else 0.0,
         "copy_kind": copy_kind,
         "dtype": sigs[0][1] if sigs else "",
         "shapes": ", ".join(ins) + (" -> " + ", ".join(outs) if outs else ""),
@@ -85,10 +87,20 @@ def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]
     events: list[DeviceEvent] = []
     forward_of_seq: dict[int, tuple[str, str, str]] = {}
     backward: list[tuple[DeviceEvent, int]] = []
+    decoded_by_key: dict[bytes, dict[str, Any]] = {}
+    keys = [np.ascontiguousarray(b.view(np.uint8).reshape(len(b), -1)[:, _IDENTITY]) for b in store.batches]
     for index in range(len(store)):
         meta, name, cost, ctx = store.meta[index], store.name[index], store.cost[index], store.ctx[index]
         batch = store.batch[index]
-        decoded = decode_record(store.batches[batch][store.index[index]]) if batch >= 0 else {}
+        decoded, host_fallback_us = {}, 0.0
+        if batch >= 0:  # records repeat: decode each distinct one once
+            row = store.index[index]
+            key = keys[batch][row].tobytes()
+            decoded = decoded_by_key.get(key)
+            if decoded is None:
+                decoded = decoded_by_key[key] = decode_record(store.batches[batch][row])
+            if decoded["fallback"]:
+                host_fallback_us = float(store.batches[batch][row]["host_seconds"]) * 1e6
         if batch >= 0:
             kind = "copy" if decoded["copy_kind"] else "op"
             category = classify(name) if kind == "op" else kind
@@ -118,7 +130,7 @@ def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]
             start_us=(store.start[index] - origin) * 1e6, duration_us=(store.end[index] - store.start[index]) * 1e6,
             flops=float(cost.flops), bytes=float(cost.bytes),
             fallback=bool(decoded.get("fallback", cost.fallback)),
-            host_fallback_us=decoded.get("host_fallback_us", 0.0),
+            host_fallback_us=host_fallback_us,
             launch_us=launch_us if kind == "op" and category != "scalar_read" else 0.0,
             copy_kind=decoded.get("copy_kind", str((meta or {}).get("copy_kind", ""))),
             dtype=decoded.get("dtype", ""), shapes=decoded.get("shapes", ""),

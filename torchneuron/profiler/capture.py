@@ -50,7 +50,7 @@ MAX_EVENTS = int(os.environ.get("TORCHNEURON_PROFILER_MAX_EVENTS", "1000000"))
 @dataclass(slots=True)
 class DeviceEvent:
     """One unit of device work as the profiler reports it (times in microseconds of modeled
-    device time, relative to the device's clock when the profile started)."""
+    device time, relative to the start of the device's first event in the profile)."""
 
     id: int
     device: int
@@ -250,7 +250,7 @@ class DeviceCapture:
         self.dropped = 0
         self.unmatched = 0
         self.start_ns = self.stop_ns = 0
-        self.origins: dict[int, float] = {}
+        self.origins: dict[int, float] = {}  # device -> modeled time (s) of its first event in the profile
         self.target = get_target().name
         self.peak_bytes: dict[int, int] = {}
         self.store = _Store()
@@ -266,7 +266,6 @@ class DeviceCapture:
             raise RuntimeError("a neuron profile is already recording; profiles cannot nest (stop the "
                                "other torch.profiler.profile first)")
         worklog.drain()  # earlier work is not part of this profile
-        self.origins = {tl.device: max(tl.streams().values(), default=0.0) for tl in device_timeline.all_timelines()}
         self.target = get_target().name
         if self.profile_memory:
             self._peak_at_start = {d: _device_stats(d)[1] for d in range(torch.neuron.device_count())}
@@ -356,6 +355,9 @@ class DeviceCapture:
         from torchneuron.profiler.attribution import build_events
 
         store = self.store
+        for device, start in zip(store.device, store.start):
+            if start < self.origins.get(device, float("inf")):
+                self.origins[device] = start
         self.events = build_events(self, store)
         for ev, ctx in zip(self.events, store.ctx):
             sample = store.memory.get(ctx)

@@ -46,7 +46,7 @@ _SOURCE = [
 SCHEMA: dict[str, tuple[str, list[tuple[str, pa.DataType, str, str]]]] = {
     "events": ("One row per unit of device work: eager kernels, fused kernels, compiled graphs, NKI "
                "kernels, copies and collectives, in the order they were charged. Times are modeled device "
-               "time relative to the device's clock when the profile started.", [
+               "time relative to the start of the device's first event in the profile (cycle).", [
         ("id", I, "", "event id, unique within the profile"),
         ("cycle", I, "", "profiling cycle (schedule active period) the event belongs to"),
         ("device", I, "", "neuron device index"),

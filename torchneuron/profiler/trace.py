@@ -9,8 +9,8 @@ JSON Kineto wrote and
   source line and module path in `args`, and a flow arrow from the host op that issued it;
 - adds a counter track of allocated device memory when memory was profiled.
 
-Device slices are in modeled device time; each device's clock is aligned so that its time at
-the start of the profile sits at the host time the profile started. Host slices keep wall
+Device slices are in modeled device time; each device's first event of a cycle is placed at the
+host time the cycle started, later ones at their modeled offsets from it. Host slices keep wall
 time. `write_trace` writes a trace with device tracks only (no Kineto trace available).
 Both Perfetto (ui.perfetto.dev) and chrome://tracing open the result.
 """
@@ -37,7 +37,7 @@ def save_json(data: dict, path: str) -> None:
     tmp = path + ".tmp"
     opener = gzip.open if path.endswith(".gz") else open
     with opener(tmp, "wt") as f:
-        json.dump(data, f, separators=(",", ":"))
+        f.write(json.dumps(data, separators=(",", ":")))  # one-shot: json's C encoder
     os.replace(tmp, path)
 
 
