@@ -8,7 +8,7 @@ step time on the target (trn2) for one rank alone, for DDP as scheduled (gradien
 all-reduced on the communication stream while backward continues), and for DDP with collectives
 charged on the compute stream (no overlap).
 
-    python bench/distributed.py [--width 512] [--depth 4] [--batch 64] [--bucket-mb 1] [--rounds 6]
+    python bench/distributed.py [--width 512] [--depth 4] [--batch 256] [--buckets-mb 25 1] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torchneuron.distributed import RankPool
 
 
-def _model(width: int, depth: int) -> nn.Module:
+def _model(width: int, depth: int, device: str = "neuron") -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 16)).to("neuron")
+    return nn.Sequential(*layers, nn.Linear(width, 16)).to(device)
 
 
 def _modeled_now() -> float:
@@ -63,48 +63,48 @@ def _timed(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, 
     return host, device
 
 
-def _job(width: int, depth: int, batch: int, bucket_mb: float, rounds: int, steps: int, target: str) -> dict:
+def _job(width: int, depth: int, batch: int, buckets_mb: tuple[float, ...], rounds: int, steps: int,
+         target: str) -> dict:
     import torchneuron
     from torchneuron.distributed.work import set_overlap
     from torchneuron.hardware import timeline
 
     torchneuron.set_target(target)
     dist.init_process_group("neuron")
-    rank = dist.get_rank()
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, width, generator=generator).to("neuron")
-    y = torch.randn(batch, 16, generator=generator).to("neuron")
-    alone = _model(width, depth)
-    alone_optimizer = torch.optim.SGD(alone.parameters(), lr=1e-3)
-    ddp = DistributedDataParallel(_model(width, depth), bucket_cap_mb=bucket_mb)
-    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    data = {"cpu": (torch.randn(batch, width, generator=generator), torch.randn(batch, 16, generator=generator))}
+    data["neuron"] = tuple(t.to("neuron") for t in data["cpu"])
+    gloo = dist.new_group(backend="gloo")
+    runs = {"alone": _model(width, depth)}
+    runs.update({mb: DistributedDataParallel(_model(width, depth), bucket_cap_mb=mb) for mb in buckets_mb})
+    runs["cpu alone"] = _model(width, depth, "cpu")  # the host's own ceiling: stock DDP on CPU tensors over gloo
+    runs["cpu gloo"] = DistributedDataParallel(_model(width, depth, "cpu"), process_group=gloo)
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-3) for name, model in runs.items()}
+    inputs = {name: data["cpu" if str(name).startswith("cpu") else "neuron"] for name in runs}
     for _ in range(3):  # warm up (DDP rebuilds its buckets after the first step)
-        _step(ddp, ddp_optimizer, x, y)
-        _step(alone, alone_optimizer, x, y)
+        for name, model in runs.items():
+            _step(model, optimizers[name], *inputs[name])
     comm: list[float] = []
 
     def on_entry(entry: timeline.TimelineEntry) -> None:
         if entry.name.startswith("c10d::"):
             comm.append(entry.duration_s)
 
-    out: dict = {"alone": [], "ddp": []}
-    for _ in range(rounds):
-        host, out["alone_device"] = _timed(alone, alone_optimizer, x, y, steps)  # both ranks, no communication
-        out["alone"] += host
-        dist.barrier()
-        timeline.add_listener(on_entry)
-        comm.clear()
-        host, out["ddp_device"] = _timed(ddp, ddp_optimizer, x, y, 1)
-        out["comm_device"] = sum(comm)
-        timeline.remove_listener(on_entry)
-        set_overlap(False)
-        _, out["ddp_serial_device"] = _timed(ddp, ddp_optimizer, x, y, 1)
-        set_overlap(True)
-        more, _ = _timed(ddp, ddp_optimizer, x, y, steps - 1)
-        out["ddp"] += host + more
-        dist.barrier()
-    out["parameters"] = sum(p.numel() for p in alone.parameters())
-    out["buckets"] = ddp._get_ddp_logging_data().get("num_buckets_reduced", None)
+    out: dict = {name: {"host": []} for name in runs}
+    for _ in range(rounds):  # every rank runs every mode in turn: "alone" has no communication
+        for name, model in runs.items():
+            timeline.add_listener(on_entry)
+            comm.clear()
+            host, out[name]["device"] = _timed(model, optimizers[name], *inputs[name], steps)
+            out[name]["comm"] = sum(comm) / steps
+            timeline.remove_listener(on_entry)
+            out[name]["host"] += host
+            if name in buckets_mb:
+                set_overlap(False)
+                _, out[name]["serial"] = _timed(model, optimizers[name], *inputs[name], 1)
+                set_overlap(True)
+            dist.barrier()
+    out["parameters"] = sum(p.numel() for p in runs["alone"].parameters())
     dist.destroy_process_group()
     return out
 
@@ -113,30 +113,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64, help="rows per rank")
-    parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and mode")
+    parser.add_argument("--batch", type=int, default=256, help="rows per rank")
+    parser.add_argument("--buckets-mb", type=float, nargs="+", default=[25.0, 1.0],
+                        help="DDP bucket caps to compare (25: DDP's default)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round and mode")
     parser.add_argument("--target", default="trn2")
     args = parser.parse_args()
     with RankPool(2, threads=1) as pool:
-        ranks = pool.run(_job, (args.width, args.depth, args.batch, args.bucket_mb, args.rounds, args.steps,
-                                args.target), timeout=600)
-    first = ranks[0]
-    alone = statistics.median(t for r in ranks for t in r["alone"])
-    ddp = statistics.median(t for r in ranks for t in r["ddp"])
-    compute = first["alone_device"]
-    overlapped = max(r["ddp_device"] for r in ranks)
-    serial = max(r["ddp_serial_device"] for r in ranks)
+        ranks = pool.run(_job, (args.width, args.depth, args.batch, tuple(args.buckets_mb), args.rounds, args.steps,
+                                args.target), timeout=900)
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "
-          f"torch {torch.__version__}, 1 intra-op thread per rank")
-    print(f"model: MLP {args.depth}x{args.width} ({first['parameters'] / 1e6:.2f} M parameters), {args.batch} rows "
-          f"per rank, DDP buckets of {args.bucket_mb} MB")
-    print(f"host step:  1 rank alone {alone * 1e3:.2f} ms | 2-rank DDP {ddp * 1e3:.2f} ms | "
-          f"ratio {ddp / alone:.2f}x (goal <= 1.3x)")
-    print(f"modeled {args.target} step: 1 rank alone {compute * 1e6:.1f} us | 2-rank DDP with overlap "
-          f"{overlapped * 1e6:.1f} us | without overlap {serial * 1e6:.1f} us "
-          f"(all-reduces {first['comm_device'] * 1e6:.1f} us, {(serial - overlapped) * 1e6:.1f} us of them hidden)")
+          f"torch {torch.__version__}, 2 rank processes with 1 intra-op thread each; "
+          f"cross-rank checks {'on' if os.environ.get('TORCHNEURON_DIST_CHECKS', '1') != '0' else 'off'}")
+    print(f"model: MLP {args.depth}x{args.width} ({ranks[0]['parameters'] / 1e6:.2f} M parameters), {args.batch} rows "
+          f"per rank, SGD; medians of {args.rounds * args.steps} steps per rank")
+    def host(name: object) -> float:
+        return statistics.median(t for r in ranks for t in r[name]["host"])
+
+    alone, alone_device = host("alone"), ranks[0]["alone"]["device"]
+    print(f"{'':30}{'host step':>12}{'ratio':>8}   modeled {args.target} step: overlapped | serial | all-reduces")
+    print(f"{'1 rank alone':30}{alone * 1e3:>9.2f} ms{1:>7.2f}x   {alone_device * 1e6:>10.1f} us")
+    for mb in args.buckets_mb:
+        overlapped, serial = (max(r[mb][key] for r in ranks) for key in ("device", "serial"))
+        print(f"{f'2-rank DDP, {mb:g} MB buckets':30}{host(mb) * 1e3:>9.2f} ms{host(mb) / alone:>7.2f}x   "
+              f"{overlapped * 1e6:>10.1f} us | {serial * 1e6:.1f} us | {ranks[0][mb]['comm'] * 1e6:.1f} us")
+    print(f"{'CPU tensors: 1 rank alone':30}{host('cpu alone') * 1e3:>9.2f} ms{1:>7.2f}x")
+    print(f"{'CPU tensors: 2-rank gloo DDP':30}{host('cpu gloo') * 1e3:>9.2f} ms"
+          f"{host('cpu gloo') / host('cpu alone'):>7.2f}x   (stock PyTorch on this host, for reference)")
+    print("goal: host ratio <= 1.3x. serial: collectives charged on the compute stream (no overlap)")
 
 
 if __name__ == "__main__":
