@@ -52,20 +52,17 @@ class Staged:
         if dtype.is_complex and reduction:
             host = torch.view_as_real(host)
             dtype = host.dtype
-        flat = host.view(-1) if host.is_contiguous() else None
+        aliased = host.is_contiguous() and not private
+        buffer = host.view(-1) if aliased else host.reshape(-1).clone()
         self.scale = 1
-        if dtype in GLOO_DTYPES:
-            buffer = flat if flat is not None and not private else host.reshape(-1).clone()
-        elif reduction:
+        if dtype not in GLOO_DTYPES and reduction:
             wider = _WIDER.get(dtype)
             if wider is None:
                 raise TypeError(f"neuron collectives cannot reduce {dtype} tensors; cast them to a wider dtype first")
-            buffer = host.reshape(-1).to(wider)
-        else:
-            buffer = (flat if flat is not None and not private else host.reshape(-1).clone()).view(torch.uint8)
-            self.scale = dtype.itemsize
-        self.host, self.buffer = host, buffer
-        self.copied = flat is None or buffer.data_ptr() != flat.data_ptr() or buffer.dtype != dtype
+            buffer, aliased = buffer.to(wider), False
+        elif dtype not in GLOO_DTYPES:
+            buffer, self.scale = buffer.view(torch.uint8), dtype.itemsize
+        self.host, self.buffer, self.copied = host, buffer, not aliased
 
     def finish(self) -> None:
         """Copies the buffer back into the tensor if gloo worked on a copy."""
