@@ -419,6 +419,21 @@ logical_not = _make_unary("logical_not", lambda a: (a == 0).float(), engine="vec
 identity = _make_unary("identity", lambda a: a)
 
 
+def _gelu_dx(x):
+    cdf = 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))
+    return cdf + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+def _silu_dx(x):
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+gelu_dx = _make_unary("gelu_dx", _gelu_dx)
+silu_dx = _make_unary("silu_dx", _silu_dx)
+erf_dx = _make_unary("erf_dx", lambda x: 1.1283791670955126 * torch.exp(-x * x))
+
+
 def copy(x: Tile, *, dtype: Any = None, mask: Any = None, **kwargs) -> Tile:
     """Copy a tile (e.g. PSUM -> SBUF), casting to `dtype`."""
     return _E.elementwise("tensor_copy", lambda v: v, [x], dtype=dtype, mask=mask)
@@ -519,6 +534,23 @@ def dropout(x: Tile, rate: Any, *, dtype: Any = None, mask: Any = None, **kwargs
         keep = torch.rand(v.shape) >= (p if not isinstance(p, torch.Tensor) else p.expand(v.shape))
         return v * keep
     return _E.elementwise("tensor_scalar", fn, [x, rate], dtype=dtype, mask=mask)
+
+
+def rand(shape: Any, dtype: Any = np.float32, **kwargs) -> Tile:
+    """Uniform [0, 1) random tile (GpSimd engine)."""
+    run = current()
+    dims, _ = _split_shape(shape)
+    t = _E.new_tile(run, dims, _dt.to_torch(dtype))
+    return _E.elementwise("iota", lambda: torch.rand(dims), [], dst=t, out_shape=dims)
+
+
+def random_seed(seed: Any, **kwargs) -> None:
+    torch.manual_seed(int(seed) if not isinstance(seed, Tile) else 0)
+
+
+def shared_identity_matrix(n: int, dtype: Any = np.uint8, **kwargs) -> Tile:
+    """An n x n identity matrix in HBM (used to transpose through the Tensor engine)."""
+    return shared_constant(np.identity(n), dtype=dtype)
 
 
 def softmax(x: Tile, axis: Any, *, dtype: Any = None, mask: Any = None, **kwargs) -> Tile:
