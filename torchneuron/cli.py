@@ -17,6 +17,7 @@ ENVIRONMENT_VARIABLES = {
     "TORCHNEURON_STRICT": "1: an op that would fall back to the CPU raises instead",
     "TORCHNEURON_TIMELINE": "0: do not record device work (no modeled timing)",
     "TORCHNEURON_AUTOGRAD_THREADS": "1: keep autograd's per-device worker threads (off by default: slower here)",
+    "TORCHNEURON_PROFILER_MAX_EVENTS": "most device events one profile keeps (default 1,000,000)",
 }
 
 

@@ -171,7 +171,7 @@ def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
     assert nki["duration_us"].tolist() == pytest.approx([2.0, 2.0])
     assert profile["dma"]["kind"].tolist() == ["nki"]
     coll = profile["collectives"]
-    assert coll["overlapped_us"].tolist() == pytest.approx([10.0, 0.0])
+    assert coll["overlapped_us"].tolist() == pytest.approx([10.0, 0.0], abs=1e-6)  # microseconds
     assert coll["exposed_us"].tolist() == pytest.approx([0.0, 5.0])
     summary = profile["summary"].iloc[0]
     assert summary["collective_exposed_us"] == pytest.approx(5.0) and summary["busy_us"] == pytest.approx(15.0)

@@ -43,7 +43,6 @@ from torchneuron.runtime.extension import ops
 
 __all__ = ["DeviceEvent", "DeviceCapture", "MemorySample", "active_capture"]
 
-DEFAULT_THRESHOLD = 1 << 15  # the work log's drain threshold outside profiling (worklog.cpp)
 MAX_EVENTS = int(os.environ.get("TORCHNEURON_PROFILER_MAX_EVENTS", "1000000"))
 
 
@@ -243,6 +242,7 @@ class DeviceCapture:
     """Records device work between start() and stop(); see the module docstring."""
 
     def __init__(self, profile_memory: bool = False, max_events: int = MAX_EVENTS) -> None:
+        self._threshold_before = int(ops().worklog_threshold())
         self.profile_memory = profile_memory
         self.max_events = max_events
         self.events: list[DeviceEvent] = []
@@ -275,6 +275,7 @@ class DeviceCapture:
         worklog.add_drain_hook(self._on_drain)
         device_timeline.add_listener(self._on_entry)
         worklog.set_full_handler(self._on_record)
+        self._threshold_before = int(ops().worklog_threshold())
         ops().set_worklog_threshold(1)
         return self
 
@@ -287,7 +288,7 @@ class DeviceCapture:
             worklog.set_full_handler(None)
             worklog.drain()
         finally:
-            ops().set_worklog_threshold(DEFAULT_THRESHOLD)
+            ops().set_worklog_threshold(self._threshold_before)
             worklog.set_full_handler(None)
             worklog.remove_drain_hook(self._on_drain)
             device_timeline.remove_listener(self._on_entry)

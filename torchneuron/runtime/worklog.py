@@ -137,10 +137,7 @@ def drain() -> None:
     work_index = np.flatnonzero(is_work)
     priced, inverse = _price_unique(records if len(work_index) == len(records) else records[work_index])
     if device_timeline.has_listeners():
-        cost_of = dict(zip(work_index.tolist(), inverse.tolist()))
-        for i in range(len(records)):
-            j = cost_of.get(i)
-            _replay(records[i], priced[j] if j is not None else None, device_timeline)
+        _replay_all(records, work_index, priced, inverse, device_timeline)
         return
     # No listener: charge each run of work between control records per stream, in bulk.
     durations = np.zeros(len(records))
@@ -171,19 +168,36 @@ def _charge_run(records: np.ndarray, lanes: np.ndarray, durations: np.ndarray, e
             {engines[e]: float(b) for e, b in enumerate(busy) if b}, int(mask.sum()))
 
 
+def _replay_all(records: np.ndarray, work_index: np.ndarray, priced: list[Any], inverse: np.ndarray,
+                device_timeline: Any) -> None:
+    """Applies every record to its timeline one by one, in order (listeners see each entry)."""
+    cost_index = np.full(len(records), -1)
+    cost_index[work_index] = inverse
+    columns = zip(records["kind"].tolist(), records["device"].tolist(), records["stream"].tolist(),
+                  records["op_id"].tolist(), records["flags"].tolist(), records["aux"].tolist(), cost_index.tolist())
+    for kind, device, stream, op_id, flags, aux, j in columns:
+        _apply(kind, device, stream, op_id, flags, aux, priced[j] if j >= 0 else None, device_timeline)
+
+
 def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:
-    """Applies one record to its device timeline, in order."""
-    kind = int(record["kind"])
-    timeline = device_timeline.get_timeline(int(record["device"]))
-    stream = int(record["stream"])
+    """Applies one control record to its device timeline."""
+    _apply(int(record["kind"]), int(record["device"]), int(record["stream"]), int(record["op_id"]),
+           int(record["flags"]), int(record["aux"]), cost, device_timeline)
+
+
+_META = {(kind, fallback): {"fallback": fallback, "kind": kind} for kind in ("op", "copy") for fallback in (False, True)}
+
+
+def _apply(kind: int, device: int, stream: int, op_id: int, flags: int, aux: int, cost: Any,
+           device_timeline: Any) -> None:
+    timeline = device_timeline.get_timeline(device)
     if kind <= COPY:
-        name = op_name(int(record["op_id"]))
-        meta = {"fallback": bool(int(record["flags"]) & FALLBACK), "kind": "copy" if kind == COPY else "op"}
-        timeline.enqueue(stream, cost, name, meta)
+        meta = _META["copy" if kind == COPY else "op", bool(flags & FALLBACK)]
+        timeline.enqueue(stream, cost, op_name(op_id), dict(meta))
     elif kind == EVENT_RECORD:
-        _event_times[int(record["aux"])] = (int(record["device"]), timeline.record_event(stream))
+        _event_times[aux] = (device, timeline.record_event(stream))
     elif kind == EVENT_WAIT:
-        event = _event_times.get(int(record["aux"]))
+        event = _event_times.get(aux)
         if event is not None:
             timeline.wait_until(stream, event[1])
     elif kind == SYNC_DEVICE:
@@ -191,7 +205,7 @@ def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:
     elif kind == SYNC_STREAM:
         _host_waited(timeline.now(stream))
     elif kind == SYNC_EVENT:
-        event = _event_times.get(int(record["aux"]))
+        event = _event_times.get(aux)
         if event is not None:
             _host_waited(event[1], device_timeline.get_timeline(event[0]))
 

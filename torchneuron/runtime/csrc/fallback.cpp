@@ -395,7 +395,8 @@ void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack
     if (v.isTensor()) {
       const Tensor& t = v.toTensor();
       note_operand(t);
-      if (record && n_sigs < kMaxSigs - 1 && t.defined()) fill_sig(rec.sigs[n_sigs++], t);
+      // CPU scalars (wrapped Python numbers) are immediates of the instruction, not device operands
+      if (record && n_sigs < kMaxSigs - 1 && is_neuron(t)) fill_sig(rec.sigs[n_sigs++], t);
       if (is_neuron(t)) {
         Tensor dev = std::move(v).toTensor();
         v = IValue(alias_of(dev, write));

@@ -112,6 +112,7 @@ static void set_worklog_enabled(bool on) { g_enabled = on; }
 static bool get_worklog_enabled() { return worklog_enabled(); }
 static void set_worklog_threshold(int64_t n) { g_drain_threshold = static_cast<size_t>(std::max<int64_t>(n, 1)); }
 static int64_t record_size() { return sizeof(WorkRecord); }
+static int64_t worklog_threshold() { return static_cast<int64_t>(g_drain_threshold); }
 
 TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("worklog_drain() -> Tensor", &worklog_drain);
@@ -120,6 +121,7 @@ TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("worklog_enabled() -> bool", &get_worklog_enabled);
   m.def("set_worklog_threshold(int n) -> ()", &set_worklog_threshold);
   m.def("worklog_record_size() -> int", &record_size);
+  m.def("worklog_threshold() -> int", &worklog_threshold);
   // Implemented in Python (torchneuron.runtime.timeline_bridge): called from C++.
   m.def("_worklog_full() -> ()");
   m.def("_event_elapsed_ms(int start, int end) -> float");
