@@ -219,3 +219,19 @@ def _loops_kernel(a):
 def test_loop_iterators():
     a = torch.randn(128, 128)
     assert torch.allclose(_loops_kernel(a)[:, 0], a.sum(1), atol=1e-4)
+
+
+@nki.jit
+def _loop_reduce_kernel(a):
+    out = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    acc = nl.ndarray((128, 1), dtype=nl.float32)
+    for i in nl.affine_range(4):
+        s = nl.sum(nl.load(a[:, i * 16:(i + 1) * 16]), axis=1, keepdims=True)
+        acc[...] = nl.loop_reduce(s, op=np.add, loop_indices=(i,))
+    nl.store(out, value=acc)
+    return out
+
+
+def test_loop_reduce_accumulates_over_iterations():
+    a = torch.randn(128, 64)
+    assert torch.allclose(_loop_reduce_kernel(a)[:, 0], a.sum(1), atol=1e-5)

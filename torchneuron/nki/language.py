@@ -8,6 +8,7 @@ that return new tiles. Each call is one (sometimes two) hardware instructions ex
 """
 from __future__ import annotations
 
+import builtins
 from typing import Any, Sequence
 
 import numpy as np
@@ -128,7 +129,22 @@ def sequential_range(*args: int, **kwargs):
         run.seq_depth -= 1
 
 
-loop_reduce = affine_range
+class _LoopReduce:
+    """Value of `nl.loop_reduce(x, op, loop_indices)`: assigning it reduces into the target
+    across the loop's iterations (the first iteration assigns)."""
+
+    __slots__ = ("value", "op", "first", "mask", "dtype")
+
+    def __init__(self, value, op, first, mask, dtype):
+        self.value, self.op, self.first, self.mask, self.dtype = value, op, first, mask, dtype
+
+
+def loop_reduce(x: Tile, op: Any, loop_indices: Sequence[int], *, mask: Any = None, dtype: Any = None,
+                **kwargs) -> "_LoopReduce":
+    """Reduce `x` with `op` over the iterations of the loops in `loop_indices` into the tensor
+    the result is assigned to."""
+    first = builtins.all(int(i) == 0 for i in loop_indices)
+    return _LoopReduce(x, op, first, mask, dtype)
 
 
 # ----------------------------------------------------------------------------- SPMD
@@ -279,6 +295,12 @@ def load_transpose2d(src: Tile, *, mask: Any = None, dtype: Any = None, **kwargs
 def _assign(dst: Tile, value: Any) -> None:
     """`dst[...] = value`: retarget the instruction that produced value, else copy."""
     run = current()
+    if isinstance(value, _LoopReduce):
+        if value.first:
+            _assign(dst, value.value)
+        else:
+            _E.elementwise("tensor_tensor", _E.alu(value.op), [dst, value.value], dst=dst, mask=value.mask)
+        return
     if not isinstance(value, Tile):
         if dst.buf.kind in ("hbm", "shared_hbm", "private_hbm"):
             store(dst, value)
