@@ -1,0 +1,97 @@
+"""Host code generation: Inductor's C++ backend registered for the `neuron` device.
+
+A neuron buffer is host memory, so Inductor's CPU code generation (`CppScheduling`) produces
+correct kernels for it; this module owns the pieces that make Inductor accept the device:
+
+- `NeuronDeviceOpOverrides`: device guard, streams and synchronisation lines in generated code;
+- `NeuronWrapperCodegen`: the Python wrapper. It calls the C++ kernels as CPU kernels (they
+  take raw pointers into host memory) and embeds the graph's `DeviceProgram` (the fused-kernel
+  plan built by `pipeline.NeuronGraphPass`), so the generated module charges its kernels to the
+  device timeline on every call, also when Inductor's caches reload it in a later process;
+- `register()`: registers both, with the graph pass as the device's custom post-grad pass.
+"""
+from __future__ import annotations
+
+import torch
+from torch._inductor.codegen.common import (
+    DeviceOpOverrides, register_backend_for_device, register_device_op_overrides,
+)
+from torch._inductor.codegen.cpp import CppScheduling
+from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+from torch._inductor.codegen.wrapper import PythonWrapperCodegen, SubgraphPythonWrapperCodegen
+from torch._inductor.virtualized import V
+
+PLAN_META_KEY = "torchneuron_plan"
+PROGRAM_NAME = "_neuron_program"
+
+
+class NeuronDeviceOpOverrides(DeviceOpOverrides):
+    """Lines Inductor writes for device management: the host executes synchronously."""
+
+    def import_get_raw_stream_as(self, name: str) -> str:
+        return f"def {name}(index):\n    return torch.neuron.current_stream(index).stream_id\n"
+
+    def set_device(self, device_idx: int) -> str:
+        return f"torch.neuron.set_device({device_idx})"
+
+    def synchronize(self) -> str:
+        return "torch.neuron.synchronize()"
+
+    def device_guard(self, device_idx: int) -> str:
+        return f"torch.neuron.device({device_idx})"
+
+    def cpp_kernel_type(self) -> str:
+        return "void*"
+
+
+def _current_plan():
+    graph = V.graph
+    module = getattr(graph, "module", None)
+    meta = getattr(module, "meta", None) or {}
+    return meta.get(PLAN_META_KEY)
+
+
+class NeuronWrapperCodegen(PythonWrapperCodegen):
+    """Python wrapper whose kernel calls go to host C++ kernels and whose `call` charges the
+    graph's fused kernels to the device timeline."""
+
+    @staticmethod
+    def create(is_subgraph: bool, subgraph_name: str | None, parent_wrapper: PythonWrapperCodegen | None,
+               partition_signatures=None) -> PythonWrapperCodegen:
+        if is_subgraph:
+            return SubgraphPythonWrapperCodegen(subgraph_name, parent_wrapper, partition_signatures)
+        return NeuronWrapperCodegen()
+
+    def _generate_kernel_call_helper(self, kernel_name: str, call_args, *, device=None, **kwargs) -> None:
+        device = device or V.graph.get_current_device_or_throw()
+        if device.type == "neuron":
+            device = torch.device("cpu")  # the kernel reads and writes host memory directly
+        super()._generate_kernel_call_helper(kernel_name, call_args, device=device, **kwargs)
+
+    def write_header(self) -> None:
+        super().write_header()
+        plan = _current_plan()
+        if plan is not None:
+            self.imports.writeline("from torchneuron.compiler.program import DeviceProgram")
+            self.header.writeline(f"{PROGRAM_NAME} = DeviceProgram.from_json({plan.to_json()!r})")
+
+    def generate_after_suffix(self, result) -> None:
+        super().generate_after_suffix(result)
+        if _current_plan() is not None:
+            result.writeline(f"call = {PROGRAM_NAME}.wrap(call)")
+
+
+_registered = False
+
+
+def register() -> None:
+    """Registers Inductor's C++ backend, the wrapper and the graph pass for "neuron" (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from torchneuron.compiler.pipeline import NeuronGraphPass
+
+    register_device_op_overrides("neuron", NeuronDeviceOpOverrides())
+    register_backend_for_device("neuron", CppScheduling, NeuronWrapperCodegen, CppWrapperCpu,
+                                device_custom_pass=NeuronGraphPass())
+    _registered = True

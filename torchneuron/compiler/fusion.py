@@ -1,0 +1,246 @@
+"""Fusion: groups a partitioned graph's device ops into the kernels the NeuronCore runs.
+
+Greedy, in topological order, over the ops' roles (from the performance model's op
+categories):
+
+- pointwise ops (elementwise, transcendental, casts, copies, fills) join the kernel of one of
+  their inputs: chains of pointwise ops, the prologue and epilogue of reductions (softmax,
+  norms: statistics and normalisation in one pass over SBUF), and matmul epilogues (bias,
+  activation, residual, cast on the PSUM result before it goes back to HBM);
+- reductions (sums, norms, softmax, losses) join a kernel of pointwise ops or reductions
+  over the same or a larger iteration space;
+- matmuls start a kernel (whose epilogue may follow); everything else (NKI kernels,
+  convolutions, gathers and scatters, sorts, random, optimizers, host fallbacks) is a kernel
+  of its own.
+
+A join never creates a cycle between kernels (a kernel may not both feed and consume
+another), never mixes placements, and never grows a kernel past `MAX_OPS`. Views and
+`getitem` are free: they belong to no kernel, and reading through one reads the viewed bytes.
+`build_kernels` turns groups into `KernelSpec`s with the tensors each kernel reads from and
+writes to HBM.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_leaves
+
+from torchneuron.compiler.flex_attention import NKI_META_KEY
+from torchneuron.compiler.partition import DEVICE, HOST, Partition, is_transparent, node_tensors, op_name
+from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
+from torchneuron.hardware.model import classify
+
+MAX_OPS = 64
+POINTWISE = frozenset({"elementwise", "transcendental", "copy", "fill", "iota"})
+REDUCTION = frozenset({"reduction", "softmax", "softmax_backward", "norm", "norm_backward", "scan"})
+MATMUL = frozenset({"matmul"})
+# Ops the NeuronCore runs as kernels from the NKI library, and the aten op each is priced as.
+NKI_KERNELS: dict[str, str] = {
+    "torchneuron::flash_attention": "aten::_scaled_dot_product_flash_attention",
+    "torchneuron::flash_attention_backward": "aten::_scaled_dot_product_flash_attention_backward",
+}
+
+
+def role(node: Node) -> str:
+    """"pointwise", "reduction", "matmul" or "opaque" (a kernel of its own)."""
+    name = op_name(node)
+    if name in NKI_KERNELS or not isinstance(node.target, torch._ops.OpOverload):
+        return "opaque"
+    if node.target.namespace not in ("aten", "prims"):
+        return "opaque"
+    category = classify(name)
+    if category in POINTWISE:
+        return "pointwise"
+    if category in REDUCTION:
+        return "reduction"
+    if category in MATMUL:
+        return "matmul"
+    return "opaque"
+
+
+def _size(node: Node) -> int:
+    inputs, outputs = node_tensors(node)
+    sizes = [_numel(t) for t in inputs + outputs]
+    return max(sizes, default=0)
+
+
+def _numel(t: torch.Tensor) -> int:
+    numel = t.numel()
+    if isinstance(numel, torch.SymInt):  # symbolic: plan with the size hint
+        hint = numel.node.hint
+        return int(hint) if hint is not None else 0
+    return int(numel)
+
+
+@dataclass(eq=False)
+class Group:
+    index: int
+    placement: str
+    role: str
+    nodes: list[Node] = field(default_factory=list)
+    size: int = 0
+    open: bool = True
+    succs: set["Group"] = field(default_factory=set)
+
+
+class _Grouper:
+    def __init__(self, partition: Partition) -> None:
+        self.partition = partition
+        self.groups: list[Group] = []
+        self.group_of: dict[Node, Group] = {}
+        self.nki_calls: dict[str, Group] = {}
+
+    def source(self, node: Node) -> Group | None:
+        """The kernel producing `node`'s value (through views and getitem)."""
+        return self.group_of.get(node)
+
+    def reaches(self, start: Group, goal: Group) -> bool:
+        stack, seen = [start], {start}
+        while stack:
+            group = stack.pop()
+            if group is goal:
+                return True
+            for succ in group.succs - seen:
+                seen.add(succ)
+                stack.append(succ)
+        return False
+
+    def can_join(self, group: Group, node: Node, node_role: str, size: int, others: list[Group]) -> bool:
+        if not group.open or group.placement != DEVICE or len(group.nodes) >= MAX_OPS:
+            return False
+        if node_role == "reduction" and group.role == "matmul":
+            return False
+        if size > group.size and group.role != "pointwise":
+            return False
+        return not any(other is not group and self.reaches(group, other) for other in others)
+
+    def add(self, node: Node) -> None:
+        inputs = [a for a in tree_leaves((node.args, node.kwargs)) if isinstance(a, Node)]
+        if is_transparent(node):
+            sources = [self.source(a) for a in inputs[:1]]
+            if sources and sources[0] is not None:
+                self.group_of[node] = sources[0]
+            return
+        placement = self.partition.of(node)
+        if placement is None or placement not in (DEVICE, HOST):
+            return
+        producers = [g for g in dict.fromkeys(self.source(a) for a in inputs) if g is not None]
+        node_role = role(node) if placement == DEVICE else "opaque"
+        size = _size(node)
+        chosen = None
+        call = node.meta.get(NKI_META_KEY)
+        if call is not None:  # part of an NKI kernel inlined as ATen ops (FlexAttention)
+            chosen = self.nki_calls.get(call)
+            if chosen is None:
+                chosen = self.nki_calls[call] = Group(len(self.groups), placement, "opaque", open=False)
+                self.groups.append(chosen)
+        elif node_role in ("pointwise", "reduction"):
+            for group in sorted(producers, key=lambda g: -g.size):
+                if self.can_join(group, node, node_role, size, producers):
+                    chosen = group
+                    break
+        if chosen is None:
+            chosen = Group(len(self.groups), placement, node_role, open=node_role != "opaque")
+            self.groups.append(chosen)
+        chosen.nodes.append(node)
+        chosen.size = max(chosen.size, size)
+        if node_role == "reduction" and chosen.role == "pointwise":
+            chosen.role = "reduction"
+        self.group_of[node] = chosen
+        for producer in producers:
+            if producer is not chosen:
+                producer.succs.add(chosen)
+
+
+def fuse(gm: GraphModule, partition: Partition) -> list[list[Node]]:
+    """Groups the graph's computing nodes into kernels; returns them in execution order."""
+    grouper = _Grouper(partition)
+    for node in gm.graph.nodes:
+        grouper.add(node)
+    return [g.nodes for g in grouper.groups if g.nodes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel specs: what each group reads and writes in HBM
+# ---------------------------------------------------------------------------------------------
+
+def _spec(value) -> TensorSpec | None:
+    return TensorSpec.of(value)
+
+
+def _op_spec(node: Node) -> OpSpec:
+    inputs, outputs = node_tensors(node)
+    name = op_name(node)
+    return OpSpec(NKI_KERNELS.get(name, name), tuple(map(_spec, inputs)), tuple(map(_spec, outputs)))
+
+
+def _base(node: Node) -> Node:
+    while node.op == "call_function" and is_transparent(node) and node.target is not operator.getitem:
+        args = [a for a in node.args if isinstance(a, Node)]
+        if not args:
+            break
+        node = args[0]
+    return node
+
+
+def _consumers(node: Node) -> list[Node]:
+    """Computing users of `node`, looking through views and getitem; the output node counts."""
+    found, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "call_function" and is_transparent(user):
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+def build_kernels(groups: list[list[Node]], partition: Partition,
+                  nki_ops: dict[str, OpSpec] | None = None) -> list[KernelSpec]:
+    """Kernel specs of the groups, in order. A group of nodes inlined from one NKI kernel call
+    has one op, the one `nki_ops` prices that call as."""
+    nki_ops = nki_ops or {}
+    members = {node: i for i, group in enumerate(groups) for node in group}
+    kernels = []
+    for i, group in enumerate(groups):
+        reads: dict[Node, TensorSpec] = {}
+        writes: list[TensorSpec] = []
+        for node in group:
+            for arg in tree_leaves((node.args, node.kwargs)):
+                if not isinstance(arg, Node) or members.get(_base(arg)) == i:
+                    continue
+                spec = _spec(arg.meta.get("val"))
+                if spec is not None and arg not in reads:
+                    reads[arg] = spec
+            if any(members.get(user) != i for user in _consumers(node)):
+                writes.extend(s for s in map(_spec, tree_leaves(node.meta.get("val"))) if s is not None)
+        placement = partition.of(group[0]) or DEVICE
+        call = group[0].meta.get(NKI_META_KEY)
+        ops = [nki_ops[call]] if call in nki_ops else [_op_spec(n) for n in group]
+        kind = "nki" if call in nki_ops else "host" if placement == HOST else _kind(group)
+        kernels.append(KernelSpec(_kernel_name(group, kind, i), kind, ops, list(reads.values()), writes, placement,
+                                  [n.name for n in group]))
+    return kernels
+
+
+def _kind(group: list[Node]) -> str:
+    if len(group) == 1:
+        return "nki" if op_name(group[0]) in NKI_KERNELS else "op"
+    roles = {role(n) for n in group}
+    if "matmul" in roles:
+        return "matmul"
+    return "reduction" if "reduction" in roles else "pointwise"
+
+
+def _kernel_name(group: list[Node], kind: str, index: int) -> str:
+    """"fused_matmul_3", "nki_flash_attention_5", "host_linalg_svd_7", "mm_2" ..."""
+    call = group[0].meta.get(NKI_META_KEY)
+    first = call.rsplit("_", 1)[0] if call else op_name(group[0]).split("::")[-1].split(".")[0]
+    if kind in ("nki", "host"):
+        return f"{kind}_{first}_{index}"
+    if kind == "op":
+        return f"{first}_{index}"
+    return f"fused_{kind}_{index}"

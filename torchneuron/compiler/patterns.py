@@ -1,0 +1,107 @@
+"""Substitution of recognised patterns with NKI kernels, on the graph Dynamo captured.
+
+It runs before autograd (so a kernel's backward is its own NKI kernel, not the derivative of
+a decomposition) over the torch-level graph. Each `Substitution` recognises a call and, when
+the NKI kernel supports the arguments, rewrites it into calls of an op from nki_kernels.py.
+
+Built in: `torch.nn.functional.scaled_dot_product_attention` (without dropout or grouped
+query attention, on float32/bfloat16/float16 neuron tensors, with a causal flag or an
+additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from torchneuron.compiler import nki_kernels  # noqa: F401  (defines the torchneuron:: ops)
+
+FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _example(arg: Any) -> Any:
+    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, Node) else arg
+
+
+@dataclass(frozen=True)
+class Substitution:
+    """A pattern (`matches(node) -> bool`) and its rewrite (`rewrite(node) -> replacement node`)."""
+
+    name: str
+    matches: Callable[[Node], bool]
+    rewrite: Callable[[Node], Node]
+
+
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+
+def _sdpa_arguments(node: Node) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _is_flash_attention(node: Node) -> bool:
+    if node.op != "call_function" or node.target not in SDPA_TARGETS:
+        return False
+    args = _sdpa_arguments(node)
+    if args.get("dropout_p", 0.0) != 0.0 or args.get("enable_gqa", False):
+        return False
+    if not all(isinstance(args.get(k), (bool, type(None))) for k in ("is_causal",)):
+        return False
+    if not isinstance(args.get("scale"), (float, int, type(None))):
+        return False
+    q, k, v = (_example(args[name]) for name in ("query", "key", "value"))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.device.type == "neuron" and t.dtype == q.dtype
+               for t in (q, k, v)):
+        return False
+    if q.dtype not in FLOAT_TYPES or k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return False
+    mask = args.get("attn_mask")
+    if mask is not None:
+        example = _example(mask)
+        if not isinstance(example, torch.Tensor) or example.requires_grad:
+            return False
+        if example.dtype not in (torch.bool, q.dtype) or args.get("is_causal"):
+            return False
+    return True
+
+
+def _rewrite_flash_attention(node: Node) -> Node:
+    args = _sdpa_arguments(node)
+    graph = node.graph
+    with graph.inserting_before(node):
+        fused = graph.call_function(torch.ops.torchneuron.flash_attention.default,
+                                    (args["query"], args["key"], args["value"], args.get("attn_mask"),
+                                     bool(args.get("is_causal") or False), args.get("scale")))
+        out = graph.call_function(operator.getitem, (fused, 0))
+    example = _example(node)
+    if example is not None:
+        out.meta["example_value"] = example
+    return out
+
+
+SUBSTITUTIONS: list[Substitution] = [
+    Substitution("flash_attention", _is_flash_attention, _rewrite_flash_attention),
+]
+
+
+def substitute(gm: GraphModule) -> dict[str, int]:
+    """Applies every substitution to the graph; returns how often each applied."""
+    counts = {s.name: 0 for s in SUBSTITUTIONS}
+    for node in list(gm.graph.nodes):
+        for substitution in SUBSTITUTIONS:
+            if substitution.matches(node):
+                replacement = substitution.rewrite(node)
+                node.replace_all_uses_with(replacement)
+                gm.graph.erase_node(node)
+                counts[substitution.name] += 1
+                break
+    if any(counts.values()):
+        gm.recompile()
+    return counts

@@ -1,0 +1,115 @@
+"""The device stage of the pipeline, run by Inductor on every post-autograd graph on neuron.
+
+`NeuronGraphPass` is registered as the `neuron` device's custom post-grad pass (codegen.py),
+so it runs inside Inductor after decomposition and autograd, before lowering, and its
+`uuid()` is part of the key of Inductor's on-disk graph cache. It runs, in order:
+
+1. passes.py: dead code, constant folding, layout and dtype normalisation;
+2. partition.py: device / host-fallback / cpu placement of every op;
+3. fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
+
+and stores the resulting `GraphPlan` in `gm.meta`, where the wrapper code generation embeds
+it into the generated module. With TORCHNEURON_COMPILE_DUMP_DIR set, it writes the graph
+before and after the passes, the partition, the plan and its modeled cost.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphModulePass
+from torch.fx import GraphModule
+
+from torchneuron.compiler import artifacts, config, flex_attention
+from torchneuron.compiler.codegen import PLAN_META_KEY
+from torchneuron.compiler.cost import eager_cost, plan_costs
+from torchneuron.compiler.fusion import build_kernels, fuse
+from torchneuron.compiler.partition import partition
+from torchneuron.compiler.passes import run_passes
+from torchneuron.compiler.plan import GraphPlan
+from torchneuron.hardware.targets import get_target
+
+_counter = itertools.count()
+
+
+def _graph_name() -> str:
+    context = torch._guards.TracingContext.try_get()
+    names = getattr(context, "aot_graph_name", None) if context is not None else None
+    kind = str(names[-1]) if names else "graph"
+    return f"graph_{next(_counter)}_{kind}"
+
+
+def _device_index(gm: GraphModule) -> int:
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type == "neuron":
+            return val.device.index or 0
+    return 0
+
+
+def symbol_sources(gm: GraphModule) -> dict[str, tuple[int, int]]:
+    """Where each size symbol of the graph can be read from its inputs: (input, dim) or (input, -1)."""
+    sources: dict[str, tuple[int, int]] = {}
+    for index, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr.is_symbol:
+            sources.setdefault(str(val.node.expr), (index, -1))
+        elif isinstance(val, torch.Tensor):
+            for dim, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                    sources.setdefault(str(size.node.expr), (index, dim))
+    return sources
+
+
+def cost_report(plan: GraphPlan, bindings: dict[str, int] | None = None) -> dict[str, Any]:
+    """The plan's modeled cost on the current target, per kernel and against eager."""
+    target = get_target()
+    costs = plan_costs(plan.kernels, bindings, target)
+    total = sum(c.duration_s for c in costs)
+    baseline = eager_cost(plan.kernels, bindings, target)
+    return {
+        "target": target.name, "kernels": len(costs), "ops": sum(len(k.ops) for k in plan.kernels),
+        "device_time_s": total, "eager_time_s": baseline, "modeled_speedup": baseline / total if total else None,
+        "per_kernel": [{"name": k.name, "kind": k.kind, "ops": [o.op for o in k.ops], "time_s": c.duration_s,
+                        "engine": c.engine, "bound": c.bound, "bytes": c.bytes, "flops": c.flops}
+                       for k, c in zip(plan.kernels, costs)],
+    }
+
+
+class NeuronGraphPass(CustomGraphModulePass):
+    """Runs the FX passes, partitioning and fusion on a post-grad graph; leaves a GraphPlan."""
+
+    def __call__(self, gm: GraphModule) -> None:
+        name = _graph_name()
+        dumping = config.dump_dir() is not None
+        if dumping:
+            artifacts.write(name, "aten_before_passes.txt", gm.print_readable(print_output=False))
+        rewrites = {"flex_attention_decomposed": flex_attention.decompose(gm), **run_passes(gm)}
+        placements = partition(gm)
+        kernels = build_kernels(fuse(gm, placements), placements, gm.meta.get(flex_attention.NKI_OPS_KEY))
+        symbols = symbol_sources(gm)
+        plan = GraphPlan(name, _device_index(gm), kernels, symbols)
+        gm.meta[PLAN_META_KEY] = plan
+        if dumping:
+            artifacts.write(name, "aten_after_passes.txt", gm.print_readable(print_output=False))
+            artifacts.write(name, "passes.json", rewrites)
+            artifacts.write(name, "partition.json", placements.to_dict())
+            artifacts.write(name, "kernels.json", [k.__dict__ for k in kernels])
+            hints = _size_hints(gm, symbols)
+            artifacts.write(name, "cost.json", cost_report(plan, hints))
+
+    def uuid(self) -> Any:
+        return f"torchneuron-pipeline-{config.VERSION}-{get_target().name}"
+
+
+def _size_hints(gm: GraphModule, symbols: dict[str, tuple[int, int]]) -> dict[str, int]:
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    hints = {}
+    for symbol, (index, dim) in symbols.items():
+        val = placeholders[index].meta.get("val")
+        value = val if dim < 0 else val.shape[dim]
+        hint = value.node.hint if isinstance(value, torch.SymInt) else value
+        if hint is not None:
+            hints[symbol] = int(hint)
+    return hints

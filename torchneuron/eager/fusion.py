@@ -1,0 +1,352 @@
+"""Fusion of queued ops and the fused-kernel cache of adaptive eager mode.
+
+At a flush, `Executor.run(entries)` walks the queue in order. Heuristics:
+
+- a *run* is a maximal sequence of fusible ops (pointwise, reductions, norms, matmuls,
+  gathers, optimizer updates; ops.FUSIBLE_CATEGORIES) with the views recorded between them;
+  any other queued op runs alone, eagerly;
+- a run's *key* is its structure: each op with its arguments' signature and where each tensor
+  comes from (an external input, or an op of the run), plus which inputs share memory when
+  the run mutates an input. Float arguments (learning rates, scales) are kept apart;
+- a run is compiled into one fused program the second time its key and floats are seen (a
+  sequence seen once costs no compilation) and served from the cache afterwards;
+- when a key comes back with different floats (a learning-rate schedule, bias corrections),
+  the ops whose floats changed leave the run and run eagerly, so the rest still fuses and a
+  training loop pays each compilation once;
+- a run shorter than `MIN_OPS` ops, or one whose compilation failed, runs eagerly.
+
+A fused program receives the run's external inputs and the output buffers that are still
+alive (referenced by the program, autograd, a view or a later op) and writes those; the others
+are intermediates nobody can observe any more. Inputs sharing memory with an input the run
+mutates are passed as views of one tensor spanning their storage, so the program sees the
+aliasing. Programs come from the kernel compiler the compiler package registers
+(`torchneuron.eager.set_kernel_compiler`).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from torchneuron.eager.ops import traceable_overload
+from torchneuron.eager.queue import Entry
+
+log = logging.getLogger(__name__)
+
+MIN_OPS = 2
+COMPILE_AFTER = 2   # sightings of a run before it is compiled
+
+KernelCompiler = Callable[[Callable[..., None], list[torch.Tensor]], Callable[[list[torch.Tensor]], Any]]
+Runner = Callable[[list[torch.Tensor]], Any]
+
+
+@dataclass
+class _Kernel:
+    sightings: int = 0
+    program: Any = None                                          # _Steps, once compiled
+    runners: dict[tuple, Runner] = field(default_factory=dict)   # live-output mask -> program
+    failed: bool = False
+
+
+@dataclass
+class _Run:
+    entries: list[Entry]
+    key: tuple
+    floats: tuple
+    float_positions: tuple          # entry index of each float
+    inputs: list[torch.Tensor]      # external inputs in first-use order
+    outputs: list[torch.Tensor]     # the output buffers, in order
+    aliases: dict[int, int]         # input index -> slot of the base spanning its storage
+    runtime_inputs: list[torch.Tensor]
+
+
+def _storage_classes(inputs: list[torch.Tensor], mutated: set[int]) -> tuple[tuple, dict[int, int], list]:
+    """Groups of inputs sharing storage with a mutated input: (key part, input -> base slot,
+    bases). A base is a 1-D view over the whole storage."""
+    pointers = [t.untyped_storage().data_ptr() for t in inputs]
+    shared = {pointers[i] for i in mutated if pointers.count(pointers[i]) > 1}
+    if not shared:
+        return (), {}, []
+    slots: dict[int, int] = {}
+    bases: list[torch.Tensor] = []
+    aliases: dict[int, int] = {}
+    key = []
+    for i, pointer in enumerate(pointers):
+        if pointer in shared:
+            if pointer not in slots:
+                storage = inputs[i].untyped_storage()
+                slots[pointer] = len(bases)
+                bases.append(inputs[i].as_strided((storage.nbytes() // inputs[i].element_size(),), (1,), 0))
+            aliases[i] = slots[pointer]
+            key.append((i, slots[pointer], inputs[i].storage_offset(), inputs[i].dtype))
+    if any(inputs[i].dtype != bases[slot].dtype for i, slot in aliases.items()):
+        raise _Untraceable(0)
+    return tuple(key), aliases, bases
+
+
+class _Untraceable(Exception):
+    """A run contains an op a fused program cannot express (at entry `position`)."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(position)
+        self.position = position
+
+
+def describe(entries: list[Entry]) -> _Run:
+    """The key, floats, inputs and outputs of a run (from signatures taken at enqueue)."""
+    local: dict[int, tuple] = {}
+    external: dict[int, int] = {}
+    inputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
+    parts, floats, positions = [], [], []
+    mutated: set[int] = set()
+    for position, entry in enumerate(entries):
+        refs = []
+        for tensor in entry.tensors:
+            ref = local.get(id(tensor))
+            if ref is None:
+                ref = external.get(id(tensor))
+                if ref is None:
+                    ref = external[id(tensor)] = len(inputs)
+                    inputs.append(tensor)
+            refs.append(ref)
+        if entry.info is not None and entry.info.inplace:
+            written = len(_flat_tensors(entry.args[0]))
+            mutated.update(r for r in refs[:written] if type(r) is int)
+        parts.append((entry.func, entry.signature, tuple(refs)))
+        floats.extend(entry.floats)
+        positions.extend([position] * len(entry.floats))
+        for j, tensor in enumerate(entry.produced):
+            local[id(tensor)] = (position, j)
+            if not entry.is_view:
+                outputs.append(tensor)
+    alias_key, aliases, bases = _storage_classes(inputs, mutated) if mutated else ((), {}, [])
+    runtime_inputs = [t for i, t in enumerate(inputs) if i not in aliases] + bases
+    return _Run(entries, (tuple(parts), alias_key), tuple(floats), tuple(positions), inputs, outputs, aliases,
+                runtime_inputs)
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def live_mask(outputs: list[torch.Tensor]) -> tuple[bool, ...]:
+    """Which output buffers may still be read: referenced from Python beyond `outputs` itself,
+    held by C++ (autograd, a view's base) or sharing their storage (views, saved tensors)."""
+    mask = []
+    for i in range(len(outputs)):
+        dead = (sys.getrefcount(outputs[i]) == 2 and outputs[i]._use_count() == 1
+                and torch._C._storage_Use_Count(outputs[i].untyped_storage()._cdata) == 2)
+        mask.append(not dead)
+    return tuple(mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused program: a replay of the run over placeholders
+# ---------------------------------------------------------------------------------------------
+
+def _template(value: Any, refs: list[Any], floats: list[int]) -> Any:
+    """An argument with its tensors replaced by `refs` (in order) and its floats by indices."""
+    if isinstance(value, torch.Tensor):
+        return ("ref", refs.pop(0))
+    if isinstance(value, (list, tuple)):
+        return tuple(_template(v, refs, floats) for v in value)
+    if type(value) is float:
+        return ("float", floats.pop(0))
+    return ("const", value)
+
+
+@dataclass
+class _Steps:
+    """A run's ops with their arguments as templates: what a fused program replays."""
+
+    steps: list[tuple]                      # (traceable func, args, kwargs, is_view, first output, outputs)
+    slot: dict[int, int]                    # input index -> runtime input position
+    alias_views: dict[int, tuple]           # input index -> (base position, shape, stride, offset)
+    n_inputs: int
+    n_outputs: int
+
+
+def program_steps(run: _Run) -> _Steps:
+    """The replayable form of a run (needs its entries' arguments; independent of liveness)."""
+    n_direct = len(run.inputs) - len(run.aliases)
+    slot, alias_views = {}, {}
+    for i, tensor in enumerate(run.inputs):
+        if i in run.aliases:
+            alias_views[i] = (n_direct + run.aliases[i], tuple(tensor.shape), tensor.stride(),
+                              tensor.storage_offset())
+        else:
+            slot[i] = len(slot)
+    steps = []
+    float_index = output_index = 0
+    for (func, _, refs), entry in zip(run.key[0], run.entries):
+        floats = list(range(float_index, float_index + len(entry.floats)))
+        float_index += len(entry.floats)
+        ref_list = list(refs)
+        args = _template(entry.args, ref_list, floats)
+        kwargs = tuple((k, _template(v, ref_list, floats)) for k, v in entry.kwargs.items())
+        steps.append((traceable_overload(func, entry.args), args, kwargs, entry.is_view, output_index,
+                      len(entry.produced)))
+        if not entry.is_view:
+            output_index += len(entry.produced)
+    return _Steps(steps, slot, alias_views, len(run.runtime_inputs), output_index)
+
+
+def replay_program(program: _Steps, mask: tuple[bool, ...], float_values: tuple) -> Callable[..., None]:
+    """A function of (runtime inputs..., live output buffers...) doing what the run does."""
+    live_slot = {}
+    for j, alive in enumerate(mask):
+        if alive:
+            live_slot[j] = len(live_slot)
+    slot, alias_views, n_inputs = program.slot, program.alias_views, program.n_inputs
+
+    def replay(*tensors: torch.Tensor) -> None:
+        inputs, buffers = tensors[:n_inputs], tensors[n_inputs:]
+        values: dict[tuple, torch.Tensor] = {}
+        views: dict[int, torch.Tensor] = {}
+
+        def ref(r: Any) -> torch.Tensor:
+            if type(r) is int:
+                if r in alias_views:
+                    if r not in views:
+                        base, shape, stride, offset = alias_views[r]
+                        views[r] = torch.as_strided(inputs[base], shape, stride, offset)
+                    return views[r]
+                return inputs[slot[r]]
+            return values[r]
+
+        def value(desc: Any) -> Any:
+            if isinstance(desc, tuple) and desc and isinstance(desc[0], str):
+                tag, item = desc
+                return ref(item) if tag == "ref" else float_values[item] if tag == "float" else item
+            return type(desc)(value(d) for d in desc)
+
+        for position, (func, args, kwargs, is_view, first, produced) in enumerate(program.steps):
+            result = func(*value(args), **{k: value(v) for k, v in kwargs})
+            for j, tensor in enumerate(_flat_tensors(result) if produced else ()):
+                if not is_view and (first + j) in live_slot:
+                    buffer = buffers[live_slot[first + j]]
+                    buffer.copy_(tensor)
+                    tensor = buffer
+                values[(position, j)] = tensor
+
+    return replay
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution
+# ---------------------------------------------------------------------------------------------
+
+class Executor:
+    """Runs flushed queues: fused runs through the kernel cache, everything else eagerly."""
+
+    def __init__(self) -> None:
+        self.compiler: KernelCompiler | None = None
+        self.kernels: dict[tuple, _Kernel] = {}
+        self.volatile: dict[tuple, set[int]] = {}   # key -> positions whose floats vary
+        self.last_floats: dict[tuple, tuple] = {}
+        # A flush may run inside the queue's dispatch handler, below autograd, where the keys of the
+        # dispatch layers above are excluded; compiling needs them back (as when this was created).
+        self.dispatch_keys = (torch._C._dispatch_tls_local_include_set(),
+                              torch._C._dispatch_tls_local_exclude_set())
+        self.stats = {"fused_runs": 0, "fused_ops": 0, "eager_ops": 0, "compiles": 0, "compile_failures": 0,
+                      "outputs_written": 0, "outputs_skipped": 0}
+
+    def run(self, entries: list[Entry]) -> None:
+        start = 0
+        for i, entry in enumerate(entries + [None]):
+            if entry is not None and (entry.is_view or entry.info.fusible):
+                continue
+            self._run_segment(entries[start:i])
+            if entry is not None:
+                self._eager([entry])
+            start = i + 1
+
+    def _run_segment(self, entries: list[Entry]) -> None:
+        if sum(not e.is_view for e in entries) < MIN_OPS or self.compiler is None:
+            self._eager(entries)
+            return
+        try:
+            run = describe(entries)
+            for position, entry in enumerate(entries):
+                if traceable_overload(entry.func, entry.args) is None:
+                    raise _Untraceable(position)
+        except _Untraceable as untraceable:
+            self._split(entries, {untraceable.position})
+            return
+        volatile = self.volatile.get(run.key)
+        if volatile:
+            self._split(entries, volatile)
+            return
+        self._note_floats(run)
+        kernel = self.kernels.setdefault((run.key, run.floats), _Kernel())
+        kernel.sightings += 1
+        if kernel.failed or (kernel.program is None and kernel.sightings < COMPILE_AFTER):
+            self._eager(entries)
+            return
+        self._run_fused(kernel, run)
+
+    def _run_fused(self, kernel: _Kernel, run: _Run) -> None:
+        if kernel.program is None:
+            kernel.program = program_steps(run)
+        for entry in run.entries:   # the run's outputs list becomes the only reference the queue holds
+            entry.release()
+        mask = live_mask(run.outputs)
+        runner = kernel.runners.get(mask)
+        if runner is None:
+            runner = self._compile(kernel, run, mask)
+        live = [t for t, alive in zip(run.outputs, mask) if alive]
+        runner(run.runtime_inputs + live)
+        computed = sum(not step[3] for step in kernel.program.steps)
+        if kernel.failed:
+            self.stats["eager_ops"] += computed
+            return
+        self.stats["fused_runs"] += 1
+        self.stats["fused_ops"] += computed
+        self.stats["outputs_written"] += len(live)
+        self.stats["outputs_skipped"] += len(mask) - len(live)
+
+    def _split(self, entries: list[Entry], positions: set[int]) -> None:
+        start = 0
+        for position in sorted(positions):
+            self._run_segment(entries[start:position])
+            self._eager(entries[position:position + 1])
+            start = position + 1
+        self._run_segment(entries[start:])
+
+    def _note_floats(self, run: _Run) -> None:
+        previous = self.last_floats.get(run.key)
+        self.last_floats[run.key] = run.floats
+        if previous is not None and previous != run.floats:
+            self.volatile[run.key] = {p for p, a, b in zip(run.float_positions, previous, run.floats) if a != b}
+
+    def _compile(self, kernel: _Kernel, run: _Run, mask: tuple[bool, ...]) -> Runner:
+        """The fused program for this liveness; if it cannot be compiled, the same replay run
+        eagerly (the run's entries were released), and the kernel is not fused again."""
+        live = [t for t, alive in zip(run.outputs, mask) if alive]
+        replay = replay_program(kernel.program, mask, run.floats)
+        try:
+            with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys):
+                runner = self.compiler(replay, run.runtime_inputs + live)
+        except Exception as error:
+            kernel.failed = True
+            self.stats["compile_failures"] += 1
+            log.warning("adaptive eager: could not fuse %d ops (%s: %s); they run eagerly", len(run.entries),
+                        type(error).__name__, error, exc_info=log.isEnabledFor(logging.DEBUG))
+
+            return lambda tensors: replay(*tensors)
+        kernel.runners[mask] = runner
+        self.stats["compiles"] += 1
+        return runner
+
+    def _eager(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            entry.run_eagerly()
+        self.stats["eager_ops"] += sum(not e.is_view for e in entries)

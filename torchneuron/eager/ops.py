@@ -1,0 +1,176 @@
+"""What adaptive eager mode may do with each aten op, decided once per operator.
+
+`op_info(func)` classifies an OpOverload:
+
+- VIEW: aliases an input and reads no data (`view`, `transpose`, ...): runs immediately;
+- QUEUE: reads and writes device data through its arguments only, so it can wait in the
+  queue: a functional op (its outputs are allocated now and filled at flush, through its
+  `out=` variant when it has one), or an in-place op mutating only `self` (and foreach
+  versions of both);
+- SYNC: anything else (random ops, host-only ops, data-dependent shapes, custom and c10d
+  ops): the queue is flushed first and the op runs immediately, so stream order and random
+  numbers stay eager's. Copies to or from the host are SYNC by their arguments (queue.py).
+
+An op with no tensor argument (a factory, a profiler marker) reads no device data: it runs
+immediately, without a flush, unless it draws random numbers.
+
+`FUSIBLE` ops are queued ops a fused kernel may contain (the rest of the queued ops run one
+by one at flush). `output_specs` computes the outputs' shapes, strides and dtypes from meta
+kernels, cached by the op and its arguments' signature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchneuron.hardware.model import classify
+from torchneuron.ops import policy
+
+VIEW, QUEUE, SYNC = "view", "queue", "sync"
+FUSIBLE_CATEGORIES = frozenset({"elementwise", "transcendental", "copy", "fill", "iota", "reduction", "softmax",
+                                "softmax_backward", "norm", "norm_backward", "matmul", "foreach",
+                                "foreach_transcendental", "optimizer", "gather", "scatter"})
+# Functional ops the model files under "view" (no data movement on the device) that fuse freely.
+FUSIBLE_OPS = frozenset({"aten::_unsafe_view", "aten::clone", "aten::alias_copy", "aten::view_copy"})
+NEVER_QUEUED = frozenset({"aten::_copy_from", "aten::_copy_from_and_resize", "aten::_local_scalar_dense",
+                          "aten::equal", "aten::set_", "aten::resize_", "aten::record_stream", "aten::item"})
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    kind: str
+    fusible: bool = False
+    random: bool = False           # draws from a generator: never reordered
+    inplace: bool = False          # mutates self (or every tensor of the self list) and returns it
+    out_overload: Any = None       # the .out variant a functional op runs as at flush
+    out_names: tuple[str, ...] = ()
+
+
+def _argument_key(schema: torch._C.FunctionSchema) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+
+
+def _out_variant(func: torch._ops.OpOverload) -> tuple[Any, tuple[str, ...]]:
+    schema = func._schema
+    wanted = _argument_key(schema)
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        args = candidate._schema.arguments
+        outs = tuple(a.name for a in args if a.is_out)
+        if outs and len(outs) == len(schema.returns) and _argument_key(candidate._schema) == wanted:
+            return candidate, outs
+    return None, ()
+
+
+def _mutates_only_self(schema: torch._C.FunctionSchema) -> bool:
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return len(written) == 1 and written[0].name == "self" and not any(a.is_out for a in schema.arguments)
+
+
+def _is_view(schema: torch._C.FunctionSchema) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _classify(func: torch._ops.OpOverload) -> OpInfo:
+    if not isinstance(func, torch._ops.OpOverload):
+        return OpInfo(SYNC, random=True)
+    if func.namespace == "profiler":
+        return OpInfo(SYNC)  # markers: run in place, no data
+    if func.namespace != "aten":
+        return OpInfo(SYNC, random=True)  # unknown effects: keep it in order
+    schema = func._schema
+    name = func.name()
+    base = name.split(".")[0]
+    if _is_view(schema):
+        return OpInfo(VIEW)
+    random = torch.Tag.nondeterministic_seeded in func.tags or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
+        or any(str(a.type).startswith("Generator") for a in schema.arguments)
+    if random or base in NEVER_QUEUED or torch.Tag.inplace_view in func.tags \
+            or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags \
+            or not policy.runs_natively(name):
+        return OpInfo(SYNC, random=random)
+    fusible = classify(name) in FUSIBLE_CATEGORIES or base in FUSIBLE_OPS
+    if schema.is_mutable:
+        if _mutates_only_self(schema):
+            return OpInfo(QUEUE, fusible=fusible, inplace=True)
+        return OpInfo(SYNC)
+    if not schema.returns or any(str(r.type) not in ("Tensor", "Tensor[]") for r in schema.returns):
+        return OpInfo(SYNC)
+    out, names = _out_variant(func)  # without one, results are copied into the handed-out buffers
+    return OpInfo(QUEUE, fusible=fusible, out_overload=out, out_names=names)
+
+
+_infos: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _infos.get(func)
+    if info is None:
+        info = _infos[func] = _classify(func)
+    return info
+
+
+_scalar_overloads: dict[tuple, Any] = {}
+
+
+def traceable_overload(func: Any, args: tuple) -> Any:
+    """`func`, or the overload taking a Scalar where `args` pass a Python number for a Tensor
+    argument (a wrapped number, as `x * 2` reaches aten): `mul.Tensor` -> `mul.Scalar`. Graph
+    tracing cannot wrap the number itself. None when no such overload exists."""
+    schema = func._schema
+    numbers = tuple(i for i, (a, v) in enumerate(zip(schema.arguments, args))
+                    if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor")
+    if not numbers:
+        return func
+    key = (func, numbers)
+    if key not in _scalar_overloads:
+        wanted = [(a.name, "number" if i in numbers else str(a.type)) for i, a in enumerate(schema.arguments)]
+        match = None
+        for name in func.overloadpacket.overloads():
+            candidate = getattr(func.overloadpacket, name)
+            if [(a.name, str(a.type)) for a in candidate._schema.arguments] == wanted:
+                match = candidate
+                break
+        _scalar_overloads[key] = match
+    return _scalar_overloads[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# Output metadata from meta kernels
+# ---------------------------------------------------------------------------------------------
+
+OutputSpec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+_specs: dict[Any, Any] = {}
+UNQUEUEABLE = object()
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def output_specs(func: Any, key: Any, args: tuple, kwargs: dict) -> Any:
+    """Output specs of a functional op (a list of OutputSpec, or of lists for Tensor[] returns),
+    or UNQUEUEABLE when no meta kernel can tell them. Cached by `key`."""
+    specs = _specs.get(key)
+    if specs is None:
+        try:
+            with torch.no_grad():
+                result = func(*_to_meta(args), **_to_meta(kwargs))
+        except Exception:
+            specs = UNQUEUEABLE
+        else:
+            results = result if isinstance(result, (tuple, list)) and len(func._schema.returns) > 1 else [result]
+            specs = [[_spec(t) for t in r] if isinstance(r, (list, tuple)) else _spec(r) for r in results]
+        _specs[key] = specs
+    return specs
+
+
+def _spec(t: torch.Tensor) -> OutputSpec:
+    return tuple(t.shape), tuple(t.stride()), t.dtype

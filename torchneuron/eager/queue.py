@@ -1,0 +1,215 @@
+"""The op queue of adaptive eager mode: a TorchDispatchMode in front of the runtime's fallback.
+
+Every aten op reaches `AdaptiveMode.__torch_dispatch__` below autograd. Ops on neuron tensors
+are handled by their `OpInfo` (ops.py):
+
+- a queued op gets its outputs now, as real device buffers shaped by meta kernels, and waits;
+  storage identity, views, aliasing and autograd therefore stay exactly eager's;
+- a view op runs now (it reads no data); a view of a queued result is also recorded, so a
+  fused kernel can compute through it;
+- an op that only allocates (`empty_like`, a factory) runs now: it reads no device data;
+- any other op flushes the queue and then runs, so random numbers, host reads (`item`,
+  `.cpu()`, printing), NKI kernels and collectives see every earlier op done.
+
+A queued op whose argument aliases a pending result it does not track (a tensor autograd
+saved, say) flushes first. The queue also flushes when it is long, when the mode is turned
+off, and under `torch.use_deterministic_algorithms(True)` every op runs unqueued. A flush
+hands the entries to fusion.py, which runs them in order, fused where it pays.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchneuron.eager.ops import QUEUE, UNQUEUEABLE, VIEW, OpInfo, op_info, output_specs
+from torchneuron.eager.recording import worklog_paused
+
+MAX_QUEUE = 1024
+FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)
+aten = torch.ops.aten
+TO_COPY = aten._to_copy.default
+# Ops with tensor arguments that read only their metadata and write fresh memory.
+ALLOCATORS = frozenset({aten.new_empty_strided.default, aten.new_empty.default, aten.empty_like.default,
+                        aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+                        aten.zeros_like.default, aten.ones_like.default, aten.full_like.default})
+DEVICE_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class Entry:
+    """One queued op, or one recorded view of a queued result.
+
+    `tensors`, `signature` and `floats` are the tensor arguments in order, the arguments'
+    signature (tensors as dtype/shape/strides, floats as FLOAT) and the float values;
+    `produced` are the tensors the op creates (its output buffers, or a view's results)."""
+
+    __slots__ = ("func", "info", "args", "kwargs", "outs", "result", "is_view", "tensors", "signature", "floats",
+                 "produced")
+
+    def __init__(self, func: Any, info: OpInfo | None, args: tuple, kwargs: dict, outs: list, result: Any,
+                 tensors: list[torch.Tensor], signature: Any, floats: list[float], is_view: bool = False) -> None:
+        self.func, self.info, self.args, self.kwargs = func, info, args, kwargs
+        self.outs, self.result, self.is_view = outs, result, is_view
+        self.tensors, self.signature, self.floats = tensors, signature, floats
+        self.produced = _flat(result) if is_view else _flat(outs)
+
+    def run_eagerly(self) -> None:
+        """Runs the op as plain eager would (its functional outputs via the out= variant)."""
+        if self.is_view:
+            return
+        info = self.info
+        if info.inplace:
+            self.func(*self.args, **self.kwargs)
+        elif info.out_overload is not None:
+            kwargs = dict(self.kwargs)
+            kwargs.update(zip(info.out_names, self.outs))
+            info.out_overload(*self.args, **kwargs)
+        else:
+            results = self.func(*self.args, **self.kwargs)
+            results = results if isinstance(results, (list, tuple)) and len(self.outs) > 1 else [results]
+            with worklog_paused():  # moving the result into the handed-out buffer is not device work
+                for buffer, value in zip(self.produced, _flat(results)):
+                    buffer.copy_(value)
+
+    def release(self) -> None:
+        """Drops every reference to tensors (after a fused program took over the entry)."""
+        self.args = self.kwargs = self.outs = self.result = self.tensors = self.produced = None
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def _signature(value: Any, tensors: list[torch.Tensor], floats: list[float]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return (value.dtype, value.shape, value.stride())
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v, tensors, floats) for v in value)
+    if type(value) is float:
+        floats.append(value)
+        return FLOAT
+    return value
+
+
+def _allocate(spec: Any, device: torch.device) -> Any:
+    if isinstance(spec, list):
+        return [_allocate(s, device) for s in spec]
+    shape, stride, dtype = spec
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+class AdaptiveMode(TorchDispatchMode):
+    """Queues device ops and runs them fused at the next flush (see the module docstring)."""
+
+    def __init__(self, executor: Any) -> None:
+        super().__init__()
+        self.executor = executor          # fusion.Executor: runs a flushed queue
+        self.entries: list[Entry] = []
+        self.pending: dict[int, torch.Tensor] = {}   # id -> queued result or recorded view
+        self.starts: list[int] = []       # sorted start addresses of pending buffers
+        self.ends: dict[int, int] = {}
+        self.flushing = False
+        self.stats = {"queued": 0, "unqueued": 0, "flushes": 0}
+
+    # ---- the queue ---------------------------------------------------------------------------
+    def _aliases_untracked(self, tensor: torch.Tensor) -> bool:
+        """A tensor sharing memory with a pending buffer, but not one the queue tracks."""
+        if not self.starts or id(tensor) in self.pending or tensor.numel() == 0:
+            return False
+        address = tensor.data_ptr()
+        i = bisect.bisect_right(self.starts, address) - 1
+        return i >= 0 and address < self.ends[self.starts[i]]
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        self.pending[id(tensor)] = tensor
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            start = storage.data_ptr()
+            bisect.insort(self.starts, start)
+            self.ends[start] = start + storage.nbytes()
+
+    def flush(self) -> None:
+        """Runs every queued op, in order."""
+        if not self.entries or self.flushing:
+            return
+        entries = self.entries
+        self.entries, self.pending, self.starts, self.ends = [], {}, [], {}
+        self.flushing = True
+        self.stats["flushes"] += 1
+        try:
+            self.executor.run(entries)
+        finally:
+            self.flushing = False
+
+    def _run_now(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.flush()
+        self.stats["unqueued"] += 1
+        return func(*args, **kwargs)
+
+    def _enqueue(self, func: Any, info: OpInfo, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
+                 signature: Any, floats: list[float]) -> Any:
+        if info.inplace:
+            result = args[0] if func._schema.returns else None
+            outs: list = []
+        else:
+            specs = output_specs(func, (func, signature), args, kwargs)
+            if specs is UNQUEUEABLE:
+                return self._run_now(func, args, kwargs)
+            device = tensors[0].device
+            outs = [_allocate(spec, device) for spec in specs]
+            result = outs[0] if len(outs) == 1 else tuple(outs)
+        entry = Entry(func, info, args, kwargs, outs, result, tensors, signature, floats)
+        self.entries.append(entry)
+        for tensor in entry.produced:
+            self._track(tensor)
+        self.stats["queued"] += 1
+        if len(self.entries) >= MAX_QUEUE:
+            self.flush()
+        return result
+
+    def _record_view(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor], signature: Any,
+                     floats: list[float]) -> Any:
+        result = func(*args, **kwargs)
+        if self.pending and any(id(t) in self.pending for t in tensors):
+            entry = Entry(func, None, args, kwargs, [], result, tensors, signature, floats, is_view=True)
+            self.entries.append(entry)
+            for view in entry.produced:
+                self.pending[id(view)] = view
+        return result
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.flushing:
+            return func(*args, **kwargs)
+        info = op_info(func)
+        tensors: list[torch.Tensor] = []
+        floats: list[float] = []
+        signature = (_signature(args, tensors, floats),
+                     tuple((k, _signature(v, tensors, floats)) for k, v in kwargs.items()) if kwargs else None)
+        if not tensors:
+            if info.random:
+                return self._run_now(func, args, kwargs)
+            return func(*args, **kwargs)  # a factory: reads no device data, writes fresh memory
+        if not all(type(t) in DEVICE_TENSORS and t.device.type == "neuron" for t in tensors):
+            if any(t.device.type == "neuron" for t in tensors):
+                return self._run_now(func, args, kwargs)
+            return func(*args, **kwargs)  # host-only work never touches queued buffers
+        if info.kind == VIEW:
+            return self._record_view(func, args, kwargs, tensors, signature, floats)
+        if func in ALLOCATORS:
+            return func(*args, **kwargs)
+        if info.kind != QUEUE or torch.are_deterministic_algorithms_enabled():
+            return self._run_now(func, args, kwargs)
+        if func is TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "neuron":
+            return self._run_now(func, args, kwargs)
+        if any(self._aliases_untracked(t) for t in tensors):
+            self.flush()
+        return self._enqueue(func, info, args, kwargs, tensors, signature, floats)
