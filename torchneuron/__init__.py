@@ -26,6 +26,14 @@ _register_distributed()  # the c10d backend "neuron" (torch.distributed is alrea
 
 import torchneuron.profiler  # noqa: E402,F401  (torch.profiler records neuron device activity)
 
+from torchneuron.compiler import register as _register_compiler  # noqa: E402
+
+_register_compiler()  # torch.compile(backend="neuron"), found by name once Dynamo is imported
+
+from torchneuron.eager import configure_from_env as _configure_eager, set_eager_mode  # noqa: E402
+
+_configure_eager()  # TORCHNEURON_EAGER_MODE=adaptive
+
 from torchneuron.hardware import get_target, set_target  # noqa: E402
 from torchneuron.ops.policy import fallback_counts, reset_fallback_counts, set_strict  # noqa: E402
 from torchneuron.runtime.memory import set_capacity as set_memory_capacity  # noqa: E402
@@ -33,5 +41,5 @@ from torchneuron.runtime.memory import set_capacity as set_memory_capacity  # no
 __version__ = "0.1.0"
 
 
-__all__ = ["fallback_counts", "get_target", "reset_fallback_counts", "set_memory_capacity", "set_strict",
-           "set_target"]
+__all__ = ["fallback_counts", "get_target", "reset_fallback_counts", "set_eager_mode", "set_memory_capacity",
+           "set_strict", "set_target"]
