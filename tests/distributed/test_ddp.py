@@ -1,11 +1,13 @@
 """DDP on neuron ranks: loss, gradients and parameters equal a single-process run over all ranks' data,
-with several gradient buckets, and with gradient accumulation under no_sync."""
+with several gradient buckets, with gradient accumulation under no_sync, and with a Python comm hook
+on gradient bucket views."""
 import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from helpers import batch, cpu_grads, cpu_state, max_diff, mlp
@@ -15,11 +17,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 STEPS = 2
 
 
-def _ddp_job(accumulate: int) -> dict:
+def _ddp_job(accumulate: int, python_hook: bool) -> dict:
     dist.init_process_group("neuron")
     rank, group = dist.get_rank(), dist.group.WORLD
     model = mlp().to("neuron")
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # ~2 KB buckets: several per backward
+    # ~2 KB buckets: several per backward; the Python hook path goes through Work.get_future()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002, gradient_as_bucket_view=python_hook)
+    if python_hook:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     out = {"losses": [], "collectives": []}
     for step in range(STEPS):
@@ -60,9 +65,10 @@ def _reference(world: int, accumulate: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("accumulate", [1, 2], ids=["plain", "accumulate2_no_sync"])
-def test_ddp_matches_single_process(pool2, accumulate):
-    ranks = pool2.run(_ddp_job, (accumulate,), timeout=150)
+@pytest.mark.parametrize("accumulate,python_hook", [(1, False), (2, False), (1, True)],
+                         ids=["plain", "accumulate2_no_sync", "allreduce_hook_bucket_views"])
+def test_ddp_matches_single_process(pool2, accumulate, python_hook):
+    ranks = pool2.run(_ddp_job, (accumulate, python_hook), timeout=150)
     reference = _reference(len(ranks), accumulate)
     for rank, out in enumerate(ranks):
         expected_losses = [loss for r, loss in reference["losses"] if r == rank]

@@ -7,7 +7,7 @@ trampolines or, for the methods without one, through the c10d ops it overrides f
 (dispatch.py). For every collective it validates the tensors' device, checks that all ranks agree
 (checks.py), moves the data over gloo on host views (collectives.py) and charges the collective to the
 device timeline (work.py). It accepts neuron and CPU tensors (CPU ones, as for object collectives, are
-not charged); gloo also serves as the registered c10d backend of both device types.
+not charged).
 """
 from __future__ import annotations
 
@@ -58,8 +58,11 @@ class NeuronProcessGroup(dist.ProcessGroup):
         self._seq = 0
         self._streams = CommStreams()
         self._coalescing: list[NeuronWork] | None = None
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
-        self._register_backend(torch.device("neuron"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+        # No c10d backend is registered with the C++ ProcessGroup on purpose: this Python object stays
+        # the only owner of the gloo backend, which pybind then destroys with the GIL released. Were
+        # the C++ group an owner, a C++ holder (DDP's reducer) could destroy gloo under the GIL while a
+        # gloo thread waits for the GIL to release a finished work's thread-local Python state (every
+        # backward stashes one): a deadlock. Object collectives then pick CPU tensors, as they should.
 
     # ---- identity (c10d calls these through the trampoline) ---------------------------------------
     def getBackendName(self) -> str:
