@@ -131,3 +131,12 @@ def test_grad_scaler_on_neuron():
     scaler.update()
     assert scaler.get_scale() == 128.0
     assert not torch.equal(before, lin.weight.detach().cpu())
+
+
+def test_full_range_seeds():
+    torch.manual_seed(2**64 - 1)
+    a = torch.randn(3, device="neuron")
+    torch.manual_seed(2**64 - 1)
+    assert torch.equal(a.cpu(), torch.randn(3))
+    torch.neuron.manual_seed(2**63 + 5)
+    assert torch.neuron.initial_seed() == 2**63 + 5

@@ -13,13 +13,19 @@ from torchneuron.runtime.device import device_count, device_index
 from torchneuron.runtime.extension import ops
 
 
+def _as_int64(seed: int) -> int:
+    """Seeds are 64-bit unsigned like the CPU generator's; the op schema carries them as int64."""
+    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
 def manual_seed(seed: int, device: Any = None) -> None:
-    ops().manual_seed(device_index(device), int(seed) & 0xFFFF_FFFF_FFFF_FFFF if seed >= 0 else int(seed))
+    ops().manual_seed(device_index(device), _as_int64(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     for index in range(device_count()):
-        ops().manual_seed(index, int(seed))
+        ops().manual_seed(index, _as_int64(seed))
 
 
 def seed() -> None:
@@ -32,7 +38,7 @@ def seed_all() -> None:
 
 
 def initial_seed() -> int:
-    return int(ops().initial_seed(device_index(None)))
+    return int(ops().initial_seed(device_index(None))) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def get_rng_state(device: Any = "neuron") -> torch.Tensor:
