@@ -146,3 +146,12 @@ def _dma_kernel(a):
 def test_dma_copy_both_directions():
     a = torch.randn(128, 300)
     assert torch.equal(_dma_kernel(a), a)
+
+
+def test_tensor_partition_reduce():
+    a = torch.randn(128, 64)
+
+    def body(x):
+        return [nisa.tensor_partition_reduce(np.add, x), nisa.tensor_partition_reduce(np.max, x)]
+    s, m = _run(body, a, out_shapes=[(1, 64), (1, 64)])
+    assert torch.allclose(s[0], a.sum(0), atol=1e-5) and torch.equal(m[0], a.amax(0))

@@ -461,3 +461,22 @@ def dma_transpose(*args, **kwargs) -> Tile:
         run = current()
         dst = Tile.whole(run.allocate("sbuf", t.shape, src.buf.tdtype))
     return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose")
+
+
+def tensor_partition_reduce(*args, **kwargs) -> Tile:
+    """Reduce across partitions (axis 0) with op (add, max, ...) on the GpSimd engine:
+    [P, F] -> [1, F]."""
+    dst, args = _take_dst(args, kwargs, bool(args) and isinstance(args[0], Tile))
+    names = ("op", "data")
+    vals = dict(zip(names, args))
+    vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
+    data = vals["data"]
+    name = _E.REDUCE.get(vals["op"])
+    if name is None:
+        raise NKIError(f"{getattr(vals['op'], '__name__', vals['op'])!r} is not a reduction operator",
+                       rule="operator")
+
+    def compute(x):
+        return _E.reduce_values(name, x.reshape(x.shape[0], -1).T, (1,)).reshape((1,) + tuple(x.shape[1:]))
+    return _E.elementwise("tensor_partition_reduce", compute, [data], dtype=kwargs.get("dtype"), dst=dst,
+                          out_shape=(1,) + tuple(data.shape[1:]), mask=kwargs.get("mask"))

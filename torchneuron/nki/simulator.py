@@ -188,6 +188,13 @@ class Run:
             self.psum.check()
         eng, busy, lat = self.timing(kind, engine, **cost)
         self.instructions += 1
+        for t in reads:
+            b = t.buf
+            if b.kind == "psum" and b.name == "~result" and b.charge is not None and b not in writes_bufs(writes):
+                # A PSUM result placed by the compiler is dead after its first use (copied out
+                # or accumulated); Python may keep the name alive, the bank is free again.
+                b.pool.release(b.charge)
+                b.charge = None
         self.sched.issue(kind, eng, busy, lat,
                          [_region(t) for t in reads], [_region(t) for t in writes],
                          user_location() if self.trace else "")
@@ -224,6 +231,10 @@ def _region(t: Tile) -> tuple:
     if buf.coarse or t.is_whole:
         return (buf.id, None)
     return (buf.id, t.region())
+
+
+def writes_bufs(writes: list) -> tuple:
+    return tuple(t.buf for t in writes)
 
 
 def set_current(run: "Run | None") -> None:
