@@ -5,6 +5,12 @@ whether values are computed (or only shapes, for typed-placeholder benchmarks), 
 PSUM capacity accounting per partition, the SPMD program ids, the loop nesting
 (`affine_range` / `sequential_range`), and `issue()`, which prices one instruction with the
 hardware model (`torchneuron.hardware.instructions`) and hands it to the list scheduler.
+
+Capacity is charged per partition while a tensor is alive in Python, which approximates the
+compiler's liveness: an allocation that replaces one bound to the same name fits (the check
+runs at the next instruction), a PSUM result the compiler placed is dead after its first
+use, a multi-block PSUM tensor rotates through one bank, and direct allocations
+(`nki.compiler.*.mod_alloc`) are checked by address range instead.
 """
 from __future__ import annotations
 
