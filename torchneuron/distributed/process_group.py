@@ -22,7 +22,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torchneuron.distributed import collectives as coll
 from torchneuron.distributed.checks import Signature, check, translate
 from torchneuron.distributed.host import Staged, reduce_code, reduce_spec
-from torchneuron.distributed.work import CoalescedWork, CommStreams, NeuronWork, completed
+from torchneuron.distributed.work import CoalescedWork, CommStreams, NeuronWork
 
 Tensors = list[torch.Tensor]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -129,11 +129,6 @@ class NeuronWork(dist.Work):
         with torch.neuron.stream(self._stream):  # the future's completion event lands on the comm stream
             future.set_result(self._result)
         return future
-
-
-def completed(result: Any = None) -> NeuronWork:
-    """A Work with nothing left to do (an empty collective, or one on CPU tensors)."""
-    return NeuronWork(result if result is not None else [])
 
 
 class CoalescedWork(NeuronWork):
