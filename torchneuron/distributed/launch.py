@@ -71,10 +71,20 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
     os._exit(0)
 
 
+def _next_task(tasks: Any, parent: int) -> Any:
+    """The next job, or None to stop (asked to, or orphaned: the parent died without asking)."""
+    while os.getppid() == parent:
+        try:
+            return tasks.get(timeout=2.0)
+        except queue_module.Empty:
+            continue
+    return None
+
+
 def _pool_main(rank: int, world_size: int, tasks: Any, results: Any, threads: int) -> None:
     torch.set_num_threads(threads)
-    base = dict(os.environ)
-    while (task := tasks.get()) is not None:
+    base, parent = dict(os.environ), os.getppid()
+    while (task := _next_task(tasks, parent)) is not None:
         job, fn, args, port, env = task
         _job_env(rank, world_size, port, env)
         _run_job(job, rank, fn, args, results)
