@@ -14,7 +14,8 @@ backend unchanged; `simple_fsdp` adds SimpleFSDP-style sharding that torch.compi
 Modules: process_group (the c10d interface), collectives (host data movement), host (host buffers,
 reduce ops), checks (cross-rank agreement, clear errors), work (Work objects, device timeline),
 dispatch (c10d C++ ops routed to Python), launch (local ranks, `spawn`, `RankPool`), parallel (helpers).
-Environment: TORCHNEURON_DIST_CHECKS=0 skips the per-collective cross-rank check.
+Environment: TORCHNEURON_DIST_CHECKS=0 skips the per-collective cross-rank check (one small all-gather);
+TORCHNEURON_DIST_OVERLAP=0 charges collectives on the issuing stream (no modeled overlap).
 """
 from __future__ import annotations
 
@@ -55,5 +56,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CollectiveMismatchError", "NeuronProcessGroup", "RankFailed", "RankPool", "free_port", "local_device", "register",
-           "select_local_device", "sharded_parameters", "simple_fsdp", "spawn"]
+__all__ = ["CollectiveMismatchError", "NeuronProcessGroup", "RankFailed", "RankPool", "free_port", "local_device",
+           "register", "select_local_device", "sharded_parameters", "simple_fsdp", "spawn"]

@@ -166,9 +166,10 @@ class RankPool:
         context = mp.get_context("spawn")
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
-        self._processes = [context.Process(target=_pool_main, daemon=True,
-                                           args=(rank, self.world_size, self._tasks[rank], self._results, self._threads))
-                           for rank in range(self.world_size)]
+        self._processes = [
+            context.Process(target=_pool_main, daemon=True,
+                            args=(rank, self.world_size, self._tasks[rank], self._results, self._threads))
+            for rank in range(self.world_size)]
         for process in self._processes:
             process.start()
 

@@ -6,7 +6,8 @@ the peer receives). Device side, as with NCCL streams: each process group has a 
 per device; a collective is charged there (the performance model's `collective_cost`) after that stream
 waits for the issuing stream, and ends at an event. `wait()` makes the waiter's current stream wait for
 that event, so compute issued between a collective and its wait overlaps it on the timeline. Futures
-(`get_future`, used by DDP) carry the same event through c10's device-aware futures.
+(`get_future`, used by DDP) carry the same event through c10's device-aware futures. `set_overlap(False)`
+(TORCHNEURON_DIST_OVERLAP=0) charges collectives on the issuing stream instead, for what-if timings.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import torch.distributed as dist
 from torchneuron.hardware.model import collective_cost
 from torchneuron.hardware.timeline import recording_enabled
 from torchneuron.runtime import charge
-
 
 _overlap = os.environ.get("TORCHNEURON_DIST_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
 

@@ -138,7 +138,8 @@ def apply_fsdp(model: TinyLlama, mesh: DeviceMesh, param_dtype: torch.dtype = to
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
-def build(cfg: LlamaConfig, dp: int, tp: int, param_dtype: torch.dtype = torch.bfloat16) -> tuple[TinyLlama, DeviceMesh]:
+def build(cfg: LlamaConfig, dp: int, tp: int,
+          param_dtype: torch.dtype = torch.bfloat16) -> tuple[TinyLlama, DeviceMesh]:
     """The model on this rank's device, split over a (dp, tp) mesh (same initial weights on all ranks)."""
     mesh = init_device_mesh("neuron", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         from torch.distributed.run import main as torchrun
 
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        torchrun(["--standalone", f"--nproc-per-node={args.dp * args.tp}", "-m", "torchneuron.examples.train_distributed",
-                  *(argv if argv is not None else sys.argv[1:])])
+        torchrun(["--standalone", f"--nproc-per-node={args.dp * args.tp}", "-m",
+                  "torchneuron.examples.train_distributed", *(argv if argv is not None else sys.argv[1:])])
         return
     train(args.steps, args.dp, args.tp, args.batch_size, args.target)
 
