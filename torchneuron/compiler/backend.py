@@ -102,7 +102,7 @@ def _compile(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    from torchneuron.compiler.decompositions import core_decompositions
+    from torchneuron.compiler.decompositions import for_compile_fx
 
     name = f"dynamo_graph_{next(_graph_ids)}"
     substituted = patterns.substitute(gm)
@@ -112,7 +112,7 @@ def _compile(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]
     # Compilation runs ops on example inputs now and then; they are not the program's device work.
     with functorch_config.patch(force_non_lazy_backward_lowering=True), cache.on_disk(), worklog_paused():
         return compile_fx(gm, example_inputs, inner_compile=compile_graph,
-                          config_patches={**INDUCTOR_PATCHES, **options}, decompositions=core_decompositions())
+                          config_patches={**INDUCTOR_PATCHES, **options}, decompositions=for_compile_fx())
 
 
 def neuron_backend(gm: GraphModule, example_inputs: list[Any], *, mode: str | None = None,

@@ -26,13 +26,25 @@ KEEP_WHOLE: tuple[Any, ...] = (
 )
 
 
-def core_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The decomposition table of the neuron compiler (a fresh dict)."""
+def _inductor_table() -> dict[Any, Callable[..., Any]]:
     from torch._inductor import config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
 
     with inductor_config.patch(fallback_random=True):
-        table = dict(select_decomp_table())
+        return select_decomp_table()
+
+
+def core_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decomposition table of the neuron compiler (a fresh dict)."""
+    table = dict(_inductor_table())
     for op in KEEP_WHOLE:
         table.pop(op, None)
     return table
+
+
+def for_compile_fx() -> dict[Any, Callable[..., Any]] | None:
+    """What to pass as compile_fx's `decompositions`: None when the table equals Inductor's own
+    under the neuron configuration (then Inductor selects it itself and its on-disk cache keys
+    stay picklable), the table otherwise."""
+    inductor = _inductor_table()
+    return None if not any(op in inductor for op in KEEP_WHOLE) else core_decompositions()

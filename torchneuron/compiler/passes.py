@@ -178,22 +178,38 @@ def _exactly_representable(narrow: torch.dtype, wide: torch.dtype) -> bool:
     return False
 
 
+def _conversion(node: Any) -> tuple[Node, torch.dtype] | None:
+    """(source, dtype) of a pure dtype conversion node, else None."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    if node.target in CONVERSIONS:
+        return node.args[0], node.args[1]
+    if node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"} and "dtype" in node.kwargs:
+        return node.args[0], node.kwargs["dtype"]
+    return None
+
+
+def _set_source(node: Node, source: Node) -> None:
+    node.args = (source,) + tuple(node.args[1:])
+
+
 def normalize_dtype(gm: GraphModule) -> int:
     """Removes no-op conversions and exact round trips; merges chained conversions."""
     changed = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in CONVERSIONS:
+        conversion = _conversion(node)
+        if conversion is None:
             continue
-        source, dtype = node.args[0], node.args[1]
+        source, dtype = conversion
         src_val = _val(source)
         if not isinstance(src_val, torch.Tensor):
             continue
-        if isinstance(source, Node) and source.target in CONVERSIONS:
-            origin = source.args[0]
-            origin_val = _val(origin)
+        inner = _conversion(source)
+        if inner is not None:
+            origin_val = _val(inner[0])
             if isinstance(origin_val, torch.Tensor) and _exactly_representable(origin_val.dtype, src_val.dtype):
-                node.args = (origin, dtype)  # the intermediate conversion lost nothing
-                source, src_val = origin, origin_val
+                _set_source(node, inner[0])  # the intermediate conversion lost nothing
+                source, src_val = inner[0], origin_val
                 changed += 1
         if src_val.dtype == dtype and not _is_output_value(node) and source.op != "placeholder":
             node.replace_all_uses_with(source)

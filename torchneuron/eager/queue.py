@@ -12,7 +12,8 @@ are handled by their `OpInfo` (ops.py):
   `.cpu()`, printing), NKI kernels and collectives see every earlier op done.
 
 A queued op whose argument aliases a pending result it does not track (a tensor autograd
-saved, say) flushes first. The queue also flushes when it is long, when the mode is turned
+saved, say) flushes first, and so does one issued on another stream or device than the queued
+ops (a flush runs them on the stream they were issued on). The queue also flushes when it is long, when the mode is turned
 off, and under `torch.use_deterministic_algorithms(True)` every op runs unqueued. A flush
 hands the entries to fusion.py, which runs them in order, fused where it pays.
 """
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchneuron.eager.ops import QUEUE, UNQUEUEABLE, VIEW, OpInfo, op_info, output_specs
 from torchneuron.eager.recording import worklog_paused
+from torchneuron.runtime.extension import ops
 
 MAX_QUEUE = 1024
 FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)
@@ -111,11 +113,14 @@ class AdaptiveMode(TorchDispatchMode):
     def __init__(self, executor: Any) -> None:
         super().__init__()
         self.executor = executor          # fusion.Executor: runs a flushed queue
+        self.runtime = ops()
         self.entries: list[Entry] = []
         self.pending: dict[int, torch.Tensor] = {}   # id -> queued result or recorded view
         self.starts: list[int] = []       # sorted start addresses of pending buffers
         self.ends: dict[int, int] = {}
         self.flushing = False
+        self.lane: tuple[int, int] = (-1, -1)   # (device, stream id) the queued ops were issued on
+        self.stream: torch.Stream | None = None
         self.stats = {"queued": 0, "unqueued": 0, "flushes": 0}
 
     # ---- the queue ---------------------------------------------------------------------------
@@ -139,13 +144,18 @@ class AdaptiveMode(TorchDispatchMode):
         """Runs every queued op, in order."""
         if not self.entries or self.flushing:
             return
-        entries = self.entries
+        entries, stream = self.entries, self.stream
         self.entries, self.pending, self.starts, self.ends = [], {}, [], {}
         self.flushing = True
         self.stats["flushes"] += 1
+        current = torch.accelerator.current_stream(stream.device)
         try:
+            if current != stream:  # run on the stream the ops were issued on
+                torch.accelerator.set_stream(stream)
             self.executor.run(entries)
         finally:
+            if current != stream:
+                torch.accelerator.set_stream(current)
             self.flushing = False
 
     def _run_now(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -155,6 +165,11 @@ class AdaptiveMode(TorchDispatchMode):
 
     def _enqueue(self, func: Any, info: OpInfo, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                  signature: Any, floats: list[float]) -> Any:
+        device = tensors[0].device
+        lane = (device.index, int(self.runtime.current_stream_id(device.index)))
+        if lane != self.lane:  # a queue holds the ops of one stream of one device
+            self.flush()
+            self.lane, self.stream = lane, torch.accelerator.current_stream(device)
         if info.inplace:
             result = args[0] if func._schema.returns else None
             outs: list = []
@@ -162,7 +177,6 @@ class AdaptiveMode(TorchDispatchMode):
             specs = output_specs(func, (func, signature), args, kwargs)
             if specs is UNQUEUEABLE:
                 return self._run_now(func, args, kwargs)
-            device = tensors[0].device
             outs = [_allocate(spec, device) for spec in specs]
             result = outs[0] if len(outs) == 1 else tuple(outs)
         entry = Entry(func, info, args, kwargs, outs, result, tensors, signature, floats)

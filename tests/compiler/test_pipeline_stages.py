@@ -1,0 +1,187 @@
+"""The compiler's stages on small ATen graphs, without code generation: FX passes, partition,
+fusion into kernels, and the modeled cost of a plan."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from torchneuron.compiler import passes
+from torchneuron.compiler.cost import eager_cost, kernel_cost, plan_costs
+from torchneuron.compiler.fusion import build_kernels, fuse
+from torchneuron.compiler.partition import CPU, DEVICE, HOST, partition
+from torchneuron.compiler.plan import GraphPlan
+from torchneuron.hardware.model import launch_cost
+from torchneuron.ops import policy
+
+aten = torch.ops.aten
+
+
+def trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def run_both(fn, gm, *args):
+    expected = fn(*args)
+    got = gm(*args)
+    torch.testing.assert_close(got, expected)
+
+
+# ---- FX passes ------------------------------------------------------------------------------------
+
+def test_dead_code_is_removed_but_random_ops_stay():
+    def fn(x):
+        unused = x.sin() * 3  # noqa: F841
+        torch.rand_like(x)     # consumes random numbers as in eager: must stay
+        return x + 1
+
+    gm = trace(fn, torch.randn(4))
+    removed = passes.eliminate_dead_code(gm)
+    assert removed == 2
+    assert aten.sin.default not in targets(gm) and aten.rand_like.default in targets(gm)
+
+
+def test_uniform_constants_fold_into_one_full():
+    def fn(x):
+        a = torch.full((4,), 2.0)
+        b = torch.full((4,), 3.0)
+        return x * (a * b + 1)
+
+    gm = trace(fn, torch.randn(4))
+    assert passes.fold_constants(gm) >= 2
+    fulls = [n for n in gm.graph.nodes if n.target is aten.full.default]
+    assert len(fulls) == 1 and fulls[0].args[1] == 7.0
+    gm.recompile()
+    x = torch.randn(4)
+    torch.testing.assert_close(gm(x), x * 7.0)
+
+
+def test_identities_disappear_but_not_on_outputs():
+    def fn(x):
+        y = x.exp() * 1
+        return (y + 0).sin(), x * 1
+
+    gm = trace(fn, torch.randn(4))
+    passes.fold_constants(gm)
+    muls = [n for n in gm.graph.nodes if n.target in (aten.mul.Tensor, aten.add.Tensor)]
+    assert len(muls) == 1  # only `x * 1`, which is an output (it must not alias the input)
+    gm.recompile()
+    x = torch.randn(4)
+    out, same = gm(x)
+    torch.testing.assert_close(out, x.exp().sin())
+    assert same.data_ptr() != x.data_ptr()
+
+
+def test_layout_chains_collapse():
+    def fn(x):
+        y = x.exp().permute(1, 0, 2).permute(2, 1, 0)
+        z = x.exp().view(6, 4).view(24)
+        return y + 1, z + 1
+
+    gm = trace(fn, torch.randn(2, 3, 4))
+    assert passes.normalize_layout(gm) >= 2
+    permutes = [n for n in gm.graph.nodes if n.target is aten.permute.default]
+    assert len(permutes) == 1 and list(permutes[0].args[1]) == [2, 0, 1]
+    gm.recompile()
+    x = torch.randn(2, 3, 4)
+    run_both(fn, gm, x)
+
+
+def test_dtype_round_trips_and_no_op_casts_disappear():
+    def fn(x):
+        y = x.exp()
+        back = y.to(torch.float32).to(torch.bfloat16)          # bf16 -> fp32 -> bf16 is exact
+        lossy = y.to(torch.float16).to(torch.bfloat16)          # fp16 loses range: must stay
+        return back * 2, lossy * 2
+
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=torch._decomp.core_aten_decompositions())(
+        torch.randn(8, dtype=torch.bfloat16))
+    casts = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+    before = sum(n.target in casts for n in gm.graph.nodes)
+    assert passes.normalize_dtype(gm) >= 1
+    after = sum(n.target in casts for n in gm.graph.nodes)
+    assert 2 <= after < before  # the lossy pair stays
+    gm.recompile()
+    x = torch.randn(8, dtype=torch.bfloat16)
+    run_both(fn, gm, x)
+
+
+# ---- partition ------------------------------------------------------------------------------------
+
+def test_partition_places_host_only_ops_and_float64_on_the_host():
+    def fn(x, counter):
+        a = torch.linalg.svdvals(x)               # no NeuronCore implementation
+        b = x.double().sum()                       # float64: no hardware type
+        return a.sum() + b.float() + x.relu().sum(), counter + 1
+
+    x = torch.randn(4, 4, device="neuron")
+    gm = trace(fn, x, torch.zeros(()))
+    with pytest.warns(policy.CPUFallbackWarning, match="linalg_svd"):
+        result = partition(gm)
+    placements = {n.target: result.of(n) for n in gm.graph.nodes if result.of(n)}
+    assert placements[aten.relu.default] == DEVICE
+    assert HOST in {result.of(n) for n in gm.graph.nodes if "svd" in str(n.target)}
+    assert any(result.of(n) == HOST and "float64" in reason for n in gm.graph.nodes
+               for reason in [result.host_reasons.get(n.name, "")])
+    assert placements[aten.add.Tensor] in (DEVICE, CPU)
+    assert result.to_dict()["counts"][CPU] >= 1  # the CPU counter
+
+
+def test_strict_mode_refuses_host_ops_in_graphs():
+    from torchneuron.compiler.errors import NeuronCompileError
+
+    gm = trace(lambda x: torch.linalg.svdvals(x), torch.randn(3, 3, device="neuron"))
+    policy.set_strict(True)
+    try:
+        with pytest.raises(NeuronCompileError, match="linalg_svd.*strict"):
+            partition(gm)
+    finally:
+        policy.set_strict(False)
+
+
+# ---- fusion and cost ----------------------------------------------------------------------------
+
+def plan_of(fn, *args) -> GraphPlan:
+    gm = trace(fn, *args)
+    placements = partition(gm)
+    return GraphPlan("test", 0, build_kernels(fuse(gm, placements), placements))
+
+
+def test_matmul_epilogue_and_softmax_each_fuse_into_one_kernel():
+    def fn(x, w, b):
+        h = torch.relu(x @ w + b)                  # matmul + bias + activation
+        return torch.softmax(h, dim=-1) * 2        # max, sub, exp, sum, div + scale
+
+    x, w, b = (torch.randn(64, 128, device="neuron"), torch.randn(128, 256, device="neuron"),
+               torch.randn(256, device="neuron"))
+    plan = plan_of(fn, x, w, b)
+    kinds = [k.kind for k in plan.kernels]
+    assert kinds == ["matmul", "reduction"], kinds
+    matmul, softmax = plan.kernels
+    assert {o.op.split("::")[1].split(".")[0] for o in matmul.ops} >= {"mm", "add", "relu"}
+    # HBM traffic of a fused kernel is its boundary only: x, w, b in; h out (read by softmax)
+    assert len(matmul.reads) == 3 and len(matmul.writes) == 1
+    assert len(softmax.reads) == 1 and len(softmax.writes) == 1
+
+
+def test_fused_plan_is_cheaper_than_eager_and_pays_one_launch_per_kernel():
+    def fn(x):
+        return ((x.sin() * 2 + 1).exp() - x).relu()
+
+    x = torch.randn(1024, 1024, device="neuron")
+    plan = plan_of(fn, x)
+    assert len(plan.kernels) == 1 and len(plan.kernels[0].ops) == 6
+    fused = sum(c.duration_s for c in plan_costs(plan.kernels))
+    eager = eager_cost(plan.kernels)
+    assert fused < eager / 2
+    assert fused > launch_cost()
+    single = kernel_cost(plan.kernels[0])
+    assert single.bytes == pytest.approx(2 * x.numel() * 4)  # one read of x, one write
+
+
+def test_plan_survives_json_round_trip():
+    plan = plan_of(lambda x: (x @ x).sum(0), torch.randn(8, 8, device="neuron"))
+    again = GraphPlan.from_json(plan.to_json())
+    assert again == plan
