@@ -65,10 +65,11 @@ def _reference(world: int, accumulate: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("accumulate,python_hook", [(1, False), (2, False), (1, True)],
-                         ids=["plain", "accumulate2_no_sync", "allreduce_hook_bucket_views"])
-def test_ddp_matches_single_process(pool2, accumulate, python_hook):
-    ranks = pool2.run(_ddp_job, (accumulate, python_hook), timeout=150)
+@pytest.mark.parametrize("world,accumulate,python_hook", [(2, 1, False), (2, 2, False), (2, 1, True), (4, 2, False)],
+                         ids=["2ranks", "2ranks_accumulate2_no_sync", "2ranks_allreduce_hook_bucket_views",
+                              "4ranks_accumulate2_no_sync"])
+def test_ddp_matches_single_process(request, world, accumulate, python_hook):
+    ranks = request.getfixturevalue(f"pool{world}").run(_ddp_job, (accumulate, python_hook), timeout=150)
     reference = _reference(len(ranks), accumulate)
     for rank, out in enumerate(ranks):
         expected_losses = [loss for r, loss in reference["losses"] if r == rank]

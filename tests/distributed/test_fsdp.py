@@ -71,9 +71,10 @@ def _reference(world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep_unsharded"])
-def test_fsdp2_mixed_precision_matches_single_process(pool2, reshard_after_forward):
-    ranks = pool2.run(_fsdp_job, (reshard_after_forward,), timeout=150)
+@pytest.mark.parametrize("world,reshard_after_forward", [(2, True), (2, False), (4, True)],
+                         ids=["2ranks_reshard", "2ranks_keep_unsharded", "4ranks_reshard"])
+def test_fsdp2_mixed_precision_matches_single_process(request, world, reshard_after_forward):
+    ranks = request.getfixturevalue(f"pool{world}").run(_fsdp_job, (reshard_after_forward,), timeout=150)
     reference = _reference(len(ranks))
     for rank, out in enumerate(ranks):
         assert out["sharded_dim0"]
