@@ -39,6 +39,18 @@ def test_group_is_the_neuron_process_group(one_rank_group):
     assert cpu.tolist() == [1.0, 1.0]
 
 
+def test_init_with_a_device_id():
+    dist.init_process_group("neuron", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("neuron", 0))
+    try:
+        objects = [None]
+        dist.all_gather_object(objects, {"a": 1})
+        assert objects == [{"a": 1}]
+        assert dist.distributed_c10d._get_object_coll_device() == "cpu"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_tensor_on_a_wrong_device_is_a_clear_error(one_rank_group):
     with pytest.raises(ValueError, match="got a tensor on meta.*move it with .to\\('neuron'\\)"):
         dist.all_reduce(torch.ones(2, device="meta"))

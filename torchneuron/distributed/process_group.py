@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroupGloo
 
 from torchneuron.distributed import collectives as coll
 from torchneuron.distributed.checks import Signature, check, translate
@@ -58,11 +58,18 @@ class NeuronProcessGroup(dist.ProcessGroup):
         self._seq = 0
         self._streams = CommStreams()
         self._coalescing: list[NeuronWork] | None = None
-        # No c10d backend is registered with the C++ ProcessGroup on purpose: this Python object stays
-        # the only owner of the gloo backend, which pybind then destroys with the GIL released. Were
-        # the C++ group an owner, a C++ holder (DDP's reducer) could destroy gloo under the GIL while a
-        # gloo thread waits for the GIL to release a finished work's thread-local Python state (every
-        # backward stashes one): a deadlock. Object collectives then pick CPU tensors, as they should.
+        # c10d probes a group's per-device backends (init_process_group(device_id=...), object
+        # collectives' choice of CPU tensors), so each device type gets one: a placeholder that raises
+        # if anything tries to run a collective on it (every collective comes here instead). gloo is
+        # not registered on purpose: this Python object stays its only owner, and pybind destroys it
+        # with the GIL released. Were the C++ group an owner, a C++ holder (DDP's reducer) could
+        # destroy gloo under the GIL while a gloo thread waits for the GIL to drop a finished work's
+        # thread-local Python state (every backward stashes one): a deadlock.
+        placeholder_options = FakeProcessGroup.Options()
+        placeholder_options.error_on_collective = True
+        placeholder = FakeProcessGroup._create_internal(rank, size, placeholder_options)
+        for device in ("cpu", "neuron"):
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, placeholder)
 
     # ---- identity (c10d calls these through the trampoline) ---------------------------------------
     def getBackendName(self) -> str:
