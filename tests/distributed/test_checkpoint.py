@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from helpers import batch, cpu_state, mlp
+from .helpers import batch, cpu_state, mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import batch, cpu_grads, cpu_state, max_diff, mlp
+from .helpers import batch, cpu_grads, cpu_state, max_diff, mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 

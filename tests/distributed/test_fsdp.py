@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from helpers import batch, cpu_grads, cpu_state, max_diff, mlp
+from .helpers import batch, cpu_grads, cpu_state, max_diff, mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 

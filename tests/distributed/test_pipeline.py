@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from helpers import batch, cpu_grads, max_diff, mlp
+from .helpers import batch, cpu_grads, max_diff, mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 

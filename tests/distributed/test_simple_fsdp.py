@@ -8,7 +8,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
-from helpers import batch, cpu_grads, max_diff, mlp
+from .helpers import batch, cpu_grads, max_diff, mlp
 from torchneuron.distributed.parallel import sharded_parameters, simple_fsdp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]

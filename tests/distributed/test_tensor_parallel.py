@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from helpers import cpu_grads, max_diff
+from .helpers import cpu_grads, max_diff
 from torchneuron.examples.train_distributed import LlamaConfig, TinyLlama, batch, build, loss_fn
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
