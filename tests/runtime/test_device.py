@@ -69,3 +69,13 @@ def test_torch_neuronx_alias():
     import torch_neuronx
 
     assert torch_neuronx.get_target().name in ("trn1", "trn2", "trn3")
+
+
+def test_host_view_is_a_zero_copy_ordinary_cpu_tensor():
+    from torchneuron.runtime import host_view
+
+    x = torch.zeros(2, 3, device="neuron")
+    h = host_view(x[:, 1:])
+    assert h.device.type == "cpu" and not h.is_inference() and h.shape == (2, 2)
+    h.add_(5)  # in place, outside inference mode
+    assert x.cpu().tolist() == [[0, 5, 5], [0, 5, 5]]

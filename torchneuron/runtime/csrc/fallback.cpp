@@ -773,7 +773,19 @@ static int64_t direct_structured_ops() { return g_direct_structured; }
 // NKI, serialisation); the alias keeps the device storage alive.
 static Tensor host_view(const Tensor& t) {
   TORCH_CHECK(is_neuron(t), "host_view expects a neuron tensor, got one on ", t.device());
-  return cpu_alias(t);
+  // Unlike the fallback's aliases, an ordinary CPU tensor (version counter, autograd keys) that
+  // Python code can use anywhere, in place included.
+  c10::TensorImpl* src = t.unsafeGetTensorImpl();
+  c10::StorageImpl* st = storage_of(t);
+  check_extent(src, st);
+  auto cst = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
+                                                   c10::SymInt(static_cast<int64_t>(st->nbytes())), cpu_data_of(st),
+                                                   g_cpu_allocator, /*resizable=*/false);
+  Tensor a = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(cst)), kCPUKeys, src->dtype());
+  a.unsafeGetTensorImpl()->set_sizes_and_strides(src->sizes(), src->strides(), src->storage_offset());
+  if (src->is_conj()) a.unsafeGetTensorImpl()->_set_conj(true);
+  if (src->is_neg()) a.unsafeGetTensorImpl()->_set_neg(true);
+  return a;
 }
 // The reverse: a neuron tensor over a CPU tensor's bytes (no copy; the memory becomes device memory
 // of `device`, accounted by the allocator when nobody else holds it, copied otherwise).
