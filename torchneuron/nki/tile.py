@@ -355,19 +355,40 @@ class Tile:
         specs = []
         if not has_expr:
             new_shape = []
+            shape, maps0, base = self.shape, self.maps, list(self.base)
+            simple = True
+            out_maps = []
             for j, k in enumerate(key):
+                n = shape[j]
                 if isinstance(k, slice):
-                    n = self.shape[j]
-                    if k.step is not None and k.step <= 0:
+                    step = k.step or 1
+                    if step <= 0:
                         raise NKIError("negative slice steps are not supported", rule="index")
                     start = 0 if k.start is None else int(k.start)
                     stop = n if k.stop is None else int(k.stop)
-                    step = k.step or 1
+                    if start < 0:
+                        start += n
+                    if stop < 0:
+                        stop += n
                     size = max(0, -(-(stop - start) // step))
                     specs.append((start, ((len(new_shape), step),)))
                     new_shape.append(size)
+                    mj = maps0[j]
+                    if len(mj) == 1:
+                        d, m = mj[0]
+                        base[d] += m * start
+                        out_maps.append(((d, m * step),))
+                    else:
+                        simple = False
                 else:
-                    specs.append((int(k), ()))
+                    c = int(k)
+                    if c < 0:
+                        c += n
+                    specs.append((c, ()))
+                    for d, m in maps0[j]:
+                        base[d] += m * c
+            if simple:  # every dimension maps to one buffer dimension: compose directly
+                return Tile(self.buf, tuple(new_shape), tuple(base), tuple(out_maps))
         else:
             ndim, slot = 0, 0
             for k in key:
