@@ -14,6 +14,7 @@ use, a multi-block PSUM tensor rotates through one bank, and direct allocations
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -97,7 +98,7 @@ class Run:
         self.cost_cache: dict = {}
         self.instructions = 0
         self.inputs: list[Buffer] = []
-        self.threads = torch.get_num_threads()
+        self.threads = _matmul_threads()
         self.flops = 0.0       # Tensor-engine work (2*K*M*N per matmul)
         self.hbm_bytes = 0.0   # bytes DMA moved to or from HBM
 
@@ -237,6 +238,17 @@ def _region(t: Tile) -> tuple:
     if buf.coarse or t.is_whole:
         return (buf.id, None)
     return (buf.id, t.region())
+
+
+def _matmul_threads() -> int:
+    """Host threads for the matmul tiles: torch's setting, or 1 when the host is already busy
+    (a tile-sized GEMM split over cores that other processes occupy waits on them)."""
+    n = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return n
+    return n if load < (os.cpu_count() or 1) - 0.5 else 1
 
 
 def writes_bufs(writes: list) -> tuple:
