@@ -53,7 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     n = args.size
     print(f"machine: {platform.machine()} {_cpu_model()}, {os.cpu_count()} cpus, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
     torch.manual_seed(0)
     a_t = torch.randn(n, n).bfloat16()
     b = torch.randn(n, n).bfloat16()
