@@ -484,13 +484,12 @@ class Tile:
             return r
         lo = list(self.base)
         hi = list(self.base)
-        if True:
-            for n, mp in zip(self.shape, self.maps):
-                for d, m in mp:
-                    if m > 0:
-                        hi[d] += m * (n - 1)
-                    else:
-                        lo[d] += m * (n - 1)
+        for n, mp in zip(self.shape, self.maps):
+            for d, m in mp:
+                if m > 0:
+                    hi[d] += m * (n - 1)
+                else:
+                    lo[d] += m * (n - 1)
         for d, size in enumerate(self.buf.shape):
             if lo[d] < 0 or hi[d] >= size:
                 raise OutOfBoundsError(
