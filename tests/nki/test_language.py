@@ -235,3 +235,20 @@ def _loop_reduce_kernel(a):
 def test_loop_reduce_accumulates_over_iterations():
     a = torch.randn(128, 64)
     assert torch.allclose(_loop_reduce_kernel(a)[:, 0], a.sum(1), atol=1e-5)
+
+
+@nki.jit
+def _gather_rows(table, idx):
+    out = nl.ndarray((idx.shape[0], table.shape[1]), dtype=table.dtype, buffer=nl.shared_hbm)
+    jf = nl.arange(table.shape[1])[None, :]
+    rows = nl.load(table[nl.load(idx), jf])   # indirect DMA: one row index per partition
+    nl.store(out, value=rows)
+    return out
+
+
+def test_indirect_load_gathers_rows():
+    table = torch.randn(1000, 64)
+    idx = torch.randint(0, 1000, (128, 1), dtype=torch.int32)
+    assert torch.equal(_gather_rows(table, idx), table[idx[:, 0].long()])
+    with pytest.raises(nki.OutOfBoundsError):
+        _gather_rows(table, torch.full((128, 1), 1000, dtype=torch.int32))

@@ -529,6 +529,10 @@ def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: b
     for t in (src, dst):
         if t.buf.kind not in HBM_KINDS:
             t.check_tile(what)
+    from .tile import GatherTile
+    if isinstance(dst, GatherTile):
+        raise NKIError(f"{what}: indirect (dynamic-index) stores are not supported by this simulator",
+                       rule="index")
     ranges, pred = mask_narrowing(mask, [src, dst])
     src, dst = narrow(src, ranges), narrow(dst, ranges)
     if src.numel() != dst.numel():

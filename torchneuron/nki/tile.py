@@ -345,12 +345,12 @@ class Tile:
         if len(key) < len(self.shape):
             key = key + (slice(None),) * (len(self.shape) - len(key))
         has_expr = False
+        dynamic = [j for j, k in enumerate(key) if isinstance(k, Tile)]
+        if dynamic:
+            return self._gather(key, dynamic)
         for k in key:
             if isinstance(k, IndexExpr):
                 has_expr = True
-            elif isinstance(k, Tile):
-                raise NKIError("dynamic (tile-valued) indexing is not supported by this simulator",
-                               rule="index")
         # per old dim: (const, ((newdim, coef), ...)); new shape
         specs = []
         if not has_expr:
@@ -427,6 +427,20 @@ class Tile:
                     maps[nd][d] = maps[nd].get(d, 0) + m * a
         return Tile(self.buf, tuple(new_shape), tuple(base),
                     tuple(tuple(mp.items()) for mp in maps))
+
+    def _gather(self, key: tuple, dynamic: list) -> "GatherTile":
+        """Indirect access (a tile of indices along one dimension, one index per partition):
+        the access pattern of an indirect DMA."""
+        if len(dynamic) != 1:
+            raise NKIError("only one tile-valued (dynamic) index per access is supported", rule="index")
+        j = dynamic[0]
+        index = key[j]
+        if index.per_partition() != 1:
+            raise NKIError("a dynamic index must hold one index per partition ([P, 1])", rule="index")
+        ndim = max([v.ndim for k in key if isinstance(k, IndexExpr) for v in k.variables()] or [2])
+        var = IndexVar(index.shape[0], 0, ndim)
+        view = self._index(key[:j] + (var,) + key[j + 1:])
+        return GatherTile(view, index)
 
     # -- view transforms --------------------------------------------------------------------
     def narrow(self, dim: int, start: int, length: int) -> "Tile":
@@ -572,6 +586,57 @@ class Tile:
     def __isub__(self, o): return _ops()._inplace(self, o, "subtract")
     def __imul__(self, o): return _ops()._inplace(self, o, "multiply")
     def __itruediv__(self, o): return _ops()._inplace(self, o, "divide")
+
+
+class GatherTile(Tile):
+    """A view whose first (partition) dimension is addressed through a tile of indices:
+    row p reads the buffer at index[p] along one dimension. Readable by DMA only."""
+
+    __slots__ = ("index", "anchor")
+
+    def __init__(self, view: Tile, index: Tile):
+        Tile.__init__(self, view.buf, view.shape, view.base, view.maps)
+        self.index = index
+        self.anchor = view
+
+    def narrow(self, dim: int, start: int, length: int) -> "GatherTile":
+        view = self.anchor.narrow(dim, start, length)
+        index = self.index.narrow(0, start, length) if dim == 0 else self.index
+        if dim == 0:  # rows keep their own indices: the anchor stays at row 0
+            view = Tile(self.anchor.buf, view.shape, self.anchor.base, view.maps)
+        return GatherTile(view, index)
+
+    @property
+    def is_whole(self) -> bool:
+        return False
+
+    def region(self):
+        """Rows are only known at run time: the access covers the whole buffer."""
+        return None
+
+    def torch(self) -> torch.Tensor:
+        data = self.buf.storage()
+        st = self.buf.strides
+        flat = torch.zeros(self.shape, dtype=torch.int64)
+        nd = len(self.shape)
+        for i, (n, mp) in enumerate(zip(self.shape, self.maps)):
+            step = sum(m * st[d] for d, m in mp) if i else 0
+            view = [1] * nd
+            view[i] = n
+            flat = flat + step * torch.arange(n).view(view)
+        (d0, m0), = self.maps[0]
+        idx = self.index.torch().reshape(-1).to(torch.int64)
+        lo = int(idx.min()) + self.base[d0] if idx.numel() else 0
+        hi = int(idx.max()) + self.base[d0] if idx.numel() else 0
+        if idx.numel() and (lo < 0 or hi >= self.buf.shape[d0]):
+            raise OutOfBoundsError(f"dynamic index values [{lo}, {hi}] are out of bounds for dimension "
+                                   f"{d0} of {self.buf.kind} tensor of shape {tuple(self.buf.shape)}")
+        off = sum(b * st[d] for d, b in enumerate(self.base))
+        flat = flat + off + (idx * m0 * st[d0]).view([-1] + [1] * (nd - 1))
+        return data.reshape(-1)[flat]
+
+    def float32(self) -> torch.Tensor:
+        return self.torch().float()
 
 
 def _unit_index(k) -> bool:
