@@ -272,7 +272,9 @@ class BenchmarkResult:
 
 class BenchmarkKernel:
     """`nki.benchmark(...)(kernel)`: calling it simulates the kernel (timing only when given
-    placeholders) and fills `benchmark_result.nc_latency` with the modeled latency."""
+    placeholders) and fills `benchmark_result.nc_latency` with the modeled latency: the
+    kernel's makespan on the NeuronCore's engines, without the host's launch cost (which
+    the PyTorch bridge adds when it charges a kernel to the device timeline)."""
 
     def __init__(self, kernel: Kernel, warmup: int = 2, iters: int = 10, **options: Any):
         self.kernel, self.warmup, self.iters, self.options = kernel, warmup, iters, options
