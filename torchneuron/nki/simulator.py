@@ -248,7 +248,7 @@ def _matmul_threads() -> int:
         load = os.getloadavg()[0]
     except OSError:
         return n
-    return n if load < (os.cpu_count() or 1) - 0.5 else 1
+    return n if load < (os.cpu_count() or 1) else 1  # (the load includes this process)
 
 
 def writes_bufs(writes: list) -> tuple:
