@@ -18,6 +18,13 @@ ENVIRONMENT_VARIABLES = {
     "TORCHNEURON_TIMELINE": "0: do not record device work (no modeled timing)",
     "TORCHNEURON_AUTOGRAD_THREADS": "1: keep autograd's per-device worker threads (off by default: slower here)",
     "TORCHNEURON_PROFILER_MAX_EVENTS": "most device events one profile keeps (default 1,000,000)",
+    "TORCHNEURON_EAGER_MODE": "adaptive: queue eager ops and dispatch fused runs",
+    "TORCHNEURON_COMPILE_FALLBACK": "eager: run graphs that fail to compile eagerly (default raise)",
+    "TORCHNEURON_COMPILE_DUMP_DIR": "directory for each compiled graph's artifacts",
+    "TORCHNEURON_COMPILE_CACHE_DIR": "on-disk cache of compiled graphs",
+    "TORCHNEURON_NKI_ALIAS": "1: neuronxcc.nki / nki import this package's NKI",
+    "TORCHNEURON_DIST_CHECKS": "0: skip the per-collective cross-rank shape check",
+    "TORCHNEURON_DIST_OVERLAP": "0: charge collectives on the issuing stream",
 }
 
 
