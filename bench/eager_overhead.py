@@ -7,18 +7,13 @@ Goals (issue #2): added overhead at most 1 us an op; the MLP step at most 1.1x t
 """
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
 import torch
 
 import torchneuron  # noqa: F401
-
-
-def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+from machine import describe
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -84,7 +79,7 @@ def transformer_step(device: str):
 
 
 def main() -> None:
-    print(f"machine: {machine()}; timeline {'on' if torchneuron.runtime.worklog.is_enabled() else 'off'}")
+    print(f"machine: {describe()}; timeline {'on' if torchneuron.runtime.worklog.is_enabled() else 'off'}")
     cpu, neuron = tiny_op_cases()
     print(f"{'tiny op':<20}{'cpu us':>10}{'neuron us':>12}{'added us':>10}{'ratio':>8}")
     added = []

@@ -16,18 +16,17 @@ listener). Prints the machine it ran on.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from typing import Callable
 
 import torch
+
+from machine import describe
 import torch.nn as nn
 import torch.nn.functional as F
 
 import torchneuron  # noqa: F401  (registers the device)
-from torchneuron.hardware import get_target
 from torchneuron.hardware.model import Cost, op_cost
 from torchneuron.hardware.timeline import DeviceTimeline, add_listener, remove_listener
 from torchneuron.runtime import worklog
@@ -112,18 +111,6 @@ def per_item_costs(repeats: int) -> dict[str, float]:
     return results
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} logical CPUs, torch threads "
-            f"{torch.get_num_threads()}, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{platform.system()} {platform.release()}; target {get_target().name}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -132,7 +119,7 @@ def main() -> None:
     rounds = 5 if args.quick else args.rounds
     scale = 10 if args.quick else 1
     initially = worklog.is_enabled()
-    print(f"machine: {machine()}")
+    print(f"machine: {describe()}")
     print(f"median per call over {rounds} interleaved rounds; the work log starts "
           f"{'on' if initially else 'off'} (TORCHNEURON_TIMELINE)")
     header = f"{'case':<42} " + " ".join(f"{m:>13}" for m in MODES) + f" {'on/off':>7} {'on/cpu':>7} {'off/cpu':>7}"

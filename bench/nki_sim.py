@@ -9,8 +9,6 @@ of a timing-only run (typed placeholders) of the tutorial-sized 8192x4096x8192 k
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
 import torch
@@ -19,6 +17,8 @@ import torchneuron.nki as nki
 import torchneuron.nki.language as nl
 import torchneuron.nki.typing as nt
 from torchneuron.kernels.matmul import matmul_fully_blocked
+
+from machine import describe
 
 
 def _best_interleaved(fns: list, repeat: int) -> list[float]:
@@ -35,26 +35,13 @@ def _best_interleaved(fns: list, repeat: int) -> list[float]:
     return best
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     n = args.size
-    print(f"machine: {platform.machine()} {_cpu_model()}, {os.cpu_count()} cpus, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"machine: {describe()}")
     torch.manual_seed(0)
     a_t = torch.randn(n, n).bfloat16()
     b = torch.randn(n, n).bfloat16()

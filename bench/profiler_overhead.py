@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -25,13 +24,14 @@ import warnings
 from typing import Callable
 
 import torch
+
+from machine import describe
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import torchneuron  # noqa: F401  (registers the device)
 import torchneuron.profiler as neuron_profiler
-from torchneuron.hardware import get_target
 from torchneuron.runtime import worklog
 
 Step = Callable[[], None]
@@ -110,19 +110,6 @@ def run_case(make: Callable[[], Step], steps: int, rounds: int) -> dict[str, tup
             for mode, values in samples.items()}
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} logical CPUs (load {load:.1f}), torch threads "
-            f"{torch.get_num_threads()}, Python {platform.python_version()}, torch {torch.__version__}; "
-            f"target {get_target().name}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -133,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds, steps = (3, 4) if args.quick else (args.rounds, args.steps)
-    print(f"machine: {machine()}")
+    print(f"machine: {describe()}")
     print(f"median process CPU time per step over {rounds} interleaved rounds of {steps} steps")
     print(f"{'case':<56} {'off':>10} {'cpu':>10} {'cpu+neuron':>11} {'neuron/off':>10} {'neuron/cpu':>10}"
           f" {'events/step':>11} {'post/step':>10}")
