@@ -5,7 +5,8 @@
 
 `register()` (called when torchneuron is imported, so with `import torch`) makes the name
 known without importing Dynamo: it registers the backend and the Dynamo device interface
-when `torch._dynamo` is first imported. Inductor's code generation for the device is
+when `torch._dynamo` is first imported, and lets FlexAttention accept neuron tensors when
+`torch.nn.attention.flex_attention` is. Inductor's code generation for the device is
 registered on first use of the backend (`register_inductor()`). See backend.py for the
 pipeline and config.py for the environment variables.
 """
@@ -96,6 +97,19 @@ def _compile_fused_run(replay: Callable[..., None], example_inputs: list[Any]) -
     return compile_replay(replay, example_inputs)
 
 
+def _enable_flex_attention() -> None:
+    from torchneuron.compiler import flex_attention
+
+    flex_attention.enable()
+
+
+def _after_import(name: str, callback: Callable[[], None]) -> None:
+    if name in sys.modules:
+        callback()
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
 def register() -> None:
     """Makes `backend="neuron"` resolvable by torch.compile without importing Dynamo now, and
     gives adaptive eager mode its kernel compiler."""
@@ -103,8 +117,8 @@ def register() -> None:
     from torchneuron import eager
 
     eager.set_kernel_compiler(_compile_fused_run)
-    if "torch._dynamo.backends.registry" in sys.modules:
-        _register_dynamo()
-    elif not _hooked:
-        _hooked = True
-        sys.meta_path.insert(0, _AfterImport("torch._dynamo", _register_dynamo))
+    if _hooked:
+        return
+    _hooked = True
+    _after_import("torch._dynamo", _register_dynamo)
+    _after_import("torch.nn.attention.flex_attention", _enable_flex_attention)

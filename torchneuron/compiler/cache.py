@@ -1,8 +1,8 @@
 """The cache of compiled graphs, keyed by graph and input signature, in memory and on disk.
 
 - In memory: Dynamo graph (its code) + the signature of its example inputs (dtype, shape,
-  strides, device, requires_grad), grad mode, autocast state, compile options and the
-  current target -> the compiled callable. A graph captured again (another `torch.compile`
+  strides, device, requires_grad), grad mode, autocast state, compile options, strict mode
+  and the current target -> the compiled callable. A graph captured again (another `torch.compile`
   of the same program, a reset of Dynamo) skips AOTAutograd and code generation entirely.
   Graphs with dynamic shapes or module attributes (get_attr) are not kept in memory.
 - On disk: AOTAutograd's and Inductor's caches, keyed by the same information plus the
@@ -24,6 +24,7 @@ from torch.fx import GraphModule
 
 from torchneuron.compiler import config
 from torchneuron.hardware.targets import get_target
+from torchneuron.ops import policy
 
 _memory: dict[str, Callable[..., Any]] = {}
 _stats = {"memory_hits": 0, "memory_misses": 0}
@@ -53,7 +54,7 @@ def graph_key(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any
     if _is_dynamic(example_inputs) or any(n.op == "get_attr" for n in gm.graph.nodes):
         return None
     code = "\n".join(line for line in gm.code.splitlines() if not line.strip().startswith("#"))
-    parts = [config.VERSION, get_target().name, code, repr(sorted(options.items())),
+    parts = [config.VERSION, get_target().name, str(policy.is_strict()), code, repr(sorted(options.items())),
              repr([_input_signature(v) for v in example_inputs]), str(torch.is_grad_enabled()),
              str(torch.is_autocast_enabled("neuron") if hasattr(torch, "is_autocast_enabled") else False)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()

@@ -53,11 +53,32 @@ def _hops() -> dict[Any, Any]:
             flex_attention_backward: ("flex_attention_backward", sdpa_dense_backward)}
 
 
+def _batchable(subgraph: GraphModule) -> GraphModule:
+    """A copy of a score_mod/mask_mod subgraph whose casts are aten ops: the reference
+    implementation vmaps it, and prims casts have no batching rule (vmap would unroll them
+    element by element)."""
+    copy = GraphModule(subgraph, copy_graph(subgraph.graph))
+    for node in copy.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.prims.convert_element_type.default:
+            node.target = torch.ops.aten._to_copy.default
+            node.args, node.kwargs = (node.args[0],), {"dtype": node.args[1]}
+    copy.recompile()
+    return copy
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    output = new.graph_copy(graph, {})
+    new.output(output)
+    return new
+
+
 def _materialize(gm: GraphModule, arg: Any) -> Any:
     """Graph arguments -> values for the reference implementation (subgraphs become modules)."""
     if isinstance(arg, Node):
         if arg.op == "get_attr":
-            return getattr(gm, arg.target)
+            value = getattr(gm, arg.target)
+            return _batchable(value) if isinstance(value, GraphModule) else value
         return arg.meta["val"]
     if isinstance(arg, (tuple, list)):
         return type(arg)(_materialize(gm, a) for a in arg)

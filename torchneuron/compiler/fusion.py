@@ -13,6 +13,11 @@ categories):
   convolutions, gathers and scatters, sorts, random, optimizers, host fallbacks) is a kernel
   of its own.
 
+Pointwise ops without tensor inputs (fills, iotas, scalar constants) are generated inside the
+kernels that read them: they are no kernel and no HBM read. A copy writing a result back into
+a graph input (an input mutation) is that result's kernel writing to another address: it
+joins the kernel producing the result.
+
 A join never creates a cycle between kernels (a kernel may not both feed and consume
 another), never mixes placements, and never grows a kernel past `MAX_OPS`. Views and
 `getitem` are free: they belong to no kernel, and reading through one reads the viewed bytes.
@@ -34,6 +39,8 @@ from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.hardware.model import classify
 
 MAX_OPS = 64
+INLINE_META_KEY = "torchneuron_inline_constant"
+COPY_ = torch.ops.aten.copy_.default
 POINTWISE = frozenset({"elementwise", "transcendental", "copy", "fill", "iota"})
 REDUCTION = frozenset({"reduction", "softmax", "softmax_backward", "norm", "norm_backward", "scan"})
 MATMUL = frozenset({"matmul"})
@@ -129,10 +136,16 @@ class _Grouper:
             return
         producers = [g for g in dict.fromkeys(self.source(a) for a in inputs) if g is not None]
         node_role = role(node) if placement == DEVICE else "opaque"
+        if placement == DEVICE and node_role == "pointwise" and not inputs:
+            node.meta[INLINE_META_KEY] = True   # a constant, generated where it is read
+            return
         size = _size(node)
         chosen = None
         call = node.meta.get(NKI_META_KEY)
-        if call is not None:  # part of an NKI kernel inlined as ATen ops (FlexAttention)
+        writeback = node.target is COPY_ and isinstance(node.args[0], Node) and node.args[0].op == "placeholder"
+        if writeback and len(producers) == 1 and producers[0].placement == DEVICE:
+            chosen = producers[0]               # the producing kernel stores into the input
+        elif call is not None:  # part of an NKI kernel inlined as ATen ops (FlexAttention)
             chosen = self.nki_calls.get(call)
             if chosen is None:
                 chosen = self.nki_calls[call] = Group(len(self.groups), placement, "opaque", open=False)
@@ -210,8 +223,10 @@ def build_kernels(groups: list[list[Node]], partition: Partition,
         writes: list[TensorSpec] = []
         for node in group:
             for arg in tree_leaves((node.args, node.kwargs)):
-                if not isinstance(arg, Node) or members.get(_base(arg)) == i:
+                if not isinstance(arg, Node) or members.get(_base(arg)) == i or _base(arg).meta.get(INLINE_META_KEY):
                     continue
+                if node.target is COPY_ and arg is node.args[0]:
+                    continue  # the destination of a copy is written, not read
                 spec = _spec(arg.meta.get("val"))
                 if spec is not None and arg not in reads:
                     reads[arg] = spec

@@ -48,13 +48,24 @@ def node_tensors(node: Node) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return keep(inputs), keep(outputs)
 
 
+# Functional copies of views (functionalization's output): a fused kernel reads through them.
+VIEW_COPIES = frozenset(f"aten::{name}" for name in (
+    "as_strided_copy", "view_copy", "permute_copy", "transpose_copy", "t_copy", "expand_copy", "slice_copy",
+    "select_copy", "unsqueeze_copy", "squeeze_copy", "alias_copy", "_reshape_copy", "unfold_copy",
+    "diagonal_copy", "split_copy", "split_with_sizes_copy", "unbind_copy", "narrow_copy", "detach_copy"))
+
+
 def is_transparent(node: Node) -> bool:
-    """Nodes that compute nothing: views, getitem of a multi-output op."""
+    """Nodes that compute nothing: views (and functional copies of views), getitem of a
+    multi-output op."""
     if node.op != "call_function":
         return True
     if node.target is operator.getitem:
         return True
-    return isinstance(node.target, torch._ops.OpOverload) and classify(op_name(node)) == "view"
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    name = op_name(node)
+    return classify(name) == "view" or name.split(".")[0] in VIEW_COPIES
 
 
 @dataclass

@@ -29,6 +29,7 @@ from torchneuron.compiler.partition import partition
 from torchneuron.compiler.passes import run_passes
 from torchneuron.compiler.plan import GraphPlan
 from torchneuron.hardware.targets import get_target
+from torchneuron.ops import policy
 
 _counter = itertools.count()
 
@@ -100,7 +101,8 @@ class NeuronGraphPass(CustomGraphModulePass):
             artifacts.write(name, "cost.json", cost_report(plan, hints))
 
     def uuid(self) -> Any:
-        return f"torchneuron-pipeline-{config.VERSION}-{get_target().name}"
+        """Part of Inductor's cache keys: what changes the plan besides the graph itself."""
+        return f"torchneuron-pipeline-{config.VERSION}-{get_target().name}-strict={policy.is_strict()}"
 
 
 def _size_hints(gm: GraphModule, symbols: dict[str, tuple[int, int]]) -> dict[str, int]:

@@ -45,6 +45,7 @@ def set_eager_mode(mode: str) -> None:
         _mode = AdaptiveMode(_executor)
         _mode.__enter__()
         _register_flush_hook()
+        _flush_before_printing(True)
     elif mode == "eager" and _mode is not None:
         _mode.flush()
         from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -54,6 +55,7 @@ def set_eager_mode(mode: str) -> None:
                                "mode and is still active; exit it first.")
         _mode.__exit__(None, None, None)
         _mode = None
+        _flush_before_printing(False)
 
 
 def get_eager_mode() -> str:
@@ -105,6 +107,26 @@ def _register_flush_hook() -> None:
     add = getattr(timeline, "add_pending_source", None)
     if add is not None:
         add(_flush_and_drain)
+
+
+_original_str: Any = None
+
+
+def _flush_before_printing(on: bool) -> None:
+    """Tensor printing disables dispatch modes before reading values: flush the queue first."""
+    global _original_str
+    import torch._tensor_str as tensor_str
+
+    if on and _original_str is None:
+        _original_str = tensor_str._str
+
+        def _str(self: Any, *args: Any, **kwargs: Any) -> str:
+            flush()
+            return _original_str(self, *args, **kwargs)
+
+        tensor_str._str = _str
+    elif not on and _original_str is not None:
+        tensor_str._str, _original_str = _original_str, None
 
 
 def configure_from_env() -> None:

@@ -1,0 +1,182 @@
+"""Adaptive eager mode: results equal plain eager's on the same programs, host reads flush,
+random numbers and streams keep eager's order, repeated sequences compile once, and fewer
+dispatched kernels show up on the device timeline."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchneuron
+import torchneuron.eager as eager
+from torchneuron.hardware import estimate
+from torchneuron.runtime import host_view
+
+
+def program(x, w):
+    y = (x @ w).relu() * 2 + 1                 # matmul + epilogue
+    z = y.softmax(-1).sum(0)                   # reductions
+    x.add_(0.5)                                # in-place on an input
+    yt = y.t()                                 # a view of a queued result, kept by the caller
+    return z, yt, (yt * 3).exp()
+
+
+def run(fn, iterations=3, seed=0):
+    results = []
+    for i in range(iterations):
+        g = torch.Generator().manual_seed(seed + i)
+        x, w = torch.randn(16, 16, generator=g).to("neuron"), torch.randn(16, 16, generator=g).to("neuron")
+        outs = fn(x, w)
+        results.append([t.cpu() for t in outs] + [x.cpu()])
+    return results
+
+
+def test_mode_switch_and_validation():
+    assert eager.get_eager_mode() == "eager"
+    with pytest.raises(ValueError, match="unknown eager mode"):
+        eager.set_eager_mode("lazy")
+    torchneuron.set_eager_mode("adaptive")
+    assert eager.get_eager_mode() == "adaptive"
+    torchneuron.set_eager_mode("eager")
+    assert eager.get_eager_mode() == "eager"
+
+
+def test_results_equal_eager_and_repeats_compile_once(adaptive):
+    eager.set_eager_mode("eager")
+    want = run(program)
+    eager.set_eager_mode("adaptive")
+    before = adaptive.stats()
+    got = run(program)
+    after = adaptive.stats()
+    for got_step, want_step in zip(got, want):
+        for g, w in zip(got_step, want_step):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    assert after["compiles"] - before["compiles"] == 1      # the second sighting compiles
+    assert after["fused_runs"] - before["fused_runs"] == 2   # the second and third run fused
+    assert after["outputs_skipped"] > before["outputs_skipped"]  # dead intermediates never written
+
+
+def test_host_reads_flush_the_queue(adaptive, capsys):
+    x = torch.arange(6.0, device="neuron")
+    y = x * 2 + 1
+    assert adaptive._mode.entries and y.sum().item() == 36.0
+    z = (y - 1) / 2
+    assert torch.equal(z.cpu(), torch.arange(6.0))
+    w = z + 10
+    print(w)
+    assert "10., 11., 12." in capsys.readouterr().out
+    v = w * 0
+    assert host_view(v).sum().item() == 0
+    assert not adaptive._mode.entries
+
+
+def test_random_numbers_and_dropout_match_eager(adaptive):
+    def prog():
+        x = torch.ones(64, device="neuron")
+        a = x * 3
+        b = torch.rand(64, device="neuron") + a
+        return F.dropout(b, 0.3, training=True).sum(), torch.randn(4, device="neuron") * a[:4]
+
+    eager.set_eager_mode("eager")
+    torch.manual_seed(7)
+    want = [t.cpu() for t in prog()]
+    eager.set_eager_mode("adaptive")
+    torch.manual_seed(7)
+    got = [t.cpu() for t in prog()]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_deterministic_algorithms_turn_queueing_off(adaptive):
+    torch.use_deterministic_algorithms(True)
+    try:
+        before = adaptive.stats()["queued"]
+        x = torch.ones(8, device="neuron")
+        y = (x + 1) * 2
+        assert adaptive.stats()["queued"] == before
+        assert y.sum().item() == 32.0
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_side_streams_keep_their_order(adaptive):
+    x = torch.ones(32, device="neuron")
+    s = torch.neuron.Stream()
+    a = x * 2
+    flushes = adaptive.stats()["flushes"]
+    with torch.neuron.stream(s):
+        b = a + 1                     # another stream: the default stream's queue flushes first
+    s.synchronize()
+    c = b * a
+    assert adaptive.stats()["flushes"] > flushes
+    torch.testing.assert_close(c.cpu(), torch.full((32,), 6.0))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.norm = torch.nn.Linear(16, 64), torch.nn.Linear(64, 4), torch.nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+def _train(model, steps, start=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step + start)
+        x, y = torch.randn(32, 16, generator=g).to("neuron"), torch.randint(0, 4, (32,), generator=g).to("neuron")
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt
+
+
+def test_training_loop_matches_eager_compiles_once_and_dispatches_fewer_kernels(adaptive):
+    torch.manual_seed(0)
+    base = MLP()
+    eager.set_eager_mode("eager")
+    reference = copy.deepcopy(base).to("neuron")
+    want, ref_opt = _train(reference, 4)
+    with estimate() as eager_step:
+        _train_step(reference, ref_opt)
+
+    eager.set_eager_mode("adaptive")
+    model = copy.deepcopy(base).to("neuron")
+    got, opt = _train(model, 4)
+    compiles = adaptive.stats()["compiles"]
+    with estimate() as adaptive_step:
+        _train_step(model, opt)
+    assert adaptive.stats()["compiles"] == compiles  # a repeated step pays no compilation
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.cpu(), q.cpu(), atol=1e-5, rtol=1e-5)
+    # AdamW's bias-corrected updates change their floats every step: those ops stay eager
+    assert adaptive_step.entries < 0.85 * eager_step.entries
+    assert adaptive_step.device_time_s < 0.9 * eager_step.device_time_s
+
+
+def _train_step(model, opt):
+    g = torch.Generator().manual_seed(99)
+    x, y = torch.randn(32, 16, generator=g).to("neuron"), torch.randint(0, 4, (32,), generator=g).to("neuron")
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_environment_variable_enables_the_mode():
+    code = ("import torch, torchneuron.eager as e; x = torch.ones(4, device='neuron'); "
+            "print(e.get_eager_mode(), ((x + 1) * 2).sum().item(), e.stats()['queued'])")
+    env = {**os.environ, "TORCHNEURON_EAGER_MODE": "adaptive"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mode, total, queued = out.stdout.split()
+    assert (mode, float(total), int(queued)) == ("adaptive", 16.0, 3)  # add, mul, sum
