@@ -28,6 +28,16 @@ def test_backend_is_found_by_name():
     assert lookup_backend("neuron") is torchneuron.compiler.neuron_backend
 
 
+def test_device_interface_exposes_the_neuron_runtime():
+    from torch._dynamo.device_interface import get_interface_for_device
+
+    interface = get_interface_for_device("neuron")
+    properties = interface.get_device_properties()
+    assert properties.multi_processor_count == torch.neuron.get_device_properties().multi_processor_count > 0
+    assert interface.device_count() == torch.neuron.device_count()
+    assert interface.current_device() == torch.neuron.current_device()
+
+
 def test_compile_matches_eager_on_neuron_and_cpu(fresh_dynamo):
     x, y = inputs()
     out = torch.compile(fn, backend="neuron")(x, y)

@@ -34,4 +34,7 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
 
         gm = make_fx(functionalize(program, remove="mutations_and_views"), decomposition_table=core_decompositions(),
                      tracing_mode="fake")(*example_inputs)
-        return compile_graph(gm, example_inputs)
+        # Compile against the trace's fake tensors: the compiled program must not keep the run's
+        # buffers alive (adaptive eager reads liveness from reference counts).
+        fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
+        return compile_graph(gm, fakes)

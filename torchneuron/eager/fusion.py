@@ -54,7 +54,7 @@ class _Kernel:
 @dataclass
 class _Run:
     entries: list[Entry]
-    key: tuple
+    key: "_Key"
     floats: tuple
     float_positions: tuple          # entry index of each float
     inputs: list[torch.Tensor]      # external inputs in first-use order
@@ -67,7 +67,10 @@ def _storage_classes(inputs: list[torch.Tensor], mutated: set[int]) -> tuple[tup
     """Groups of inputs sharing storage with a mutated input: (key part, input -> base slot,
     bases). A base is a 1-D view over the whole storage."""
     pointers = [t.untyped_storage().data_ptr() for t in inputs]
-    shared = {pointers[i] for i in mutated if pointers.count(pointers[i]) > 1}
+    counts: dict[int, int] = {}
+    for pointer in pointers:
+        counts[pointer] = counts.get(pointer, 0) + 1
+    shared = {pointers[i] for i in mutated if counts[pointers[i]] > 1}
     if not shared:
         return (), {}, []
     slots: dict[int, int] = {}
@@ -116,7 +119,7 @@ def describe(entries: list[Entry]) -> _Run:
         if entry.info is not None and entry.info.inplace:
             written = len(_flat_tensors(entry.args[0]))
             mutated.update(r for r in refs[:written] if type(r) is int)
-        parts.append((entry.func, entry.signature, tuple(refs)))
+        parts.append((id(entry.func), entry.signature, tuple(refs)))  # ops are process-lived singletons
         floats.extend(entry.floats)
         positions.extend([position] * len(entry.floats))
         for j, tensor in enumerate(entry.produced):
@@ -125,8 +128,23 @@ def describe(entries: list[Entry]) -> _Run:
                 outputs.append(tensor)
     alias_key, aliases, bases = _storage_classes(inputs, mutated) if mutated else ((), {}, [])
     runtime_inputs = [t for i, t in enumerate(inputs) if i not in aliases] + bases
-    return _Run(entries, (tuple(parts), alias_key), tuple(floats), tuple(positions), inputs, outputs, aliases,
-                runtime_inputs)
+    return _Run(entries, _Key((tuple(parts), alias_key)), tuple(floats), tuple(positions), inputs, outputs,
+                aliases, runtime_inputs)
+
+
+class _Key:
+    """A run's key with its hash computed once (keys are large nested tuples, looked up often)."""
+
+    __slots__ = ("value", "hash")
+
+    def __init__(self, value: tuple) -> None:
+        self.value, self.hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.value == other.value
 
 
 def _flat_tensors(value: Any) -> list[torch.Tensor]:
@@ -186,7 +204,8 @@ def program_steps(run: _Run) -> _Steps:
             slot[i] = len(slot)
     steps = []
     float_index = output_index = 0
-    for (func, _, refs), entry in zip(run.key[0], run.entries):
+    for (_, _, refs), entry in zip(run.key.value[0], run.entries):
+        func = entry.func
         floats = list(range(float_index, float_index + len(entry.floats)))
         float_index += len(entry.floats)
         ref_list = list(refs)
@@ -273,16 +292,18 @@ class Executor:
         if sum(not e.is_view for e in entries) < MIN_OPS or self.compiler is None:
             self._eager(entries)
             return
+        untraceable = next((i for i, e in enumerate(entries) if traceable_overload(e.func, e.args) is None), None)
+        if untraceable is not None:
+            self._split(entries, {untraceable})
+            return
         try:
             run = describe(entries)
-            for position, entry in enumerate(entries):
-                if traceable_overload(entry.func, entry.args) is None:
-                    raise _Untraceable(position)
-        except _Untraceable as untraceable:
-            self._split(entries, {untraceable.position})
+        except _Untraceable as error:
+            self._split(entries, {error.position})
             return
         volatile = self.volatile.get(run.key)
         if volatile:
+            del run  # it references every output: sub-runs must see only their own references
             self._split(entries, volatile)
             return
         self._note_floats(run)

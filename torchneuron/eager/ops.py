@@ -114,19 +114,23 @@ def op_info(func: Any) -> OpInfo:
 
 
 _scalar_overloads: dict[tuple, Any] = {}
+_tensor_positions: dict[Any, tuple[int, ...]] = {}
 
 
 def traceable_overload(func: Any, args: tuple) -> Any:
     """`func`, or the overload taking a Scalar where `args` pass a Python number for a Tensor
     argument (a wrapped number, as `x * 2` reaches aten): `mul.Tensor` -> `mul.Scalar`. Graph
     tracing cannot wrap the number itself. None when no such overload exists."""
-    schema = func._schema
-    numbers = tuple(i for i, (a, v) in enumerate(zip(schema.arguments, args))
-                    if isinstance(v, (int, float, bool)) and str(a.type) == "Tensor")
+    positions = _tensor_positions.get(func)
+    if positions is None:
+        positions = _tensor_positions[func] = tuple(
+            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only)
+    numbers = tuple(i for i in positions if i < len(args) and type(args[i]) in (int, float, bool))
     if not numbers:
         return func
     key = (func, numbers)
     if key not in _scalar_overloads:
+        schema = func._schema
         wanted = [(a.name, "number" if i in numbers else str(a.type)) for i, a in enumerate(schema.arguments)]
         match = None
         for name in func.overloadpacket.overloads():

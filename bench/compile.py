@@ -1,0 +1,152 @@
+"""Training step of a tiny transformer in five modes, timed in one process.
+
+Modes: CPU eager, CPU `torch.compile(backend="inductor")`, neuron eager, neuron adaptive eager,
+neuron `torch.compile(backend="neuron")`. Compiled modes compile the model (forward and
+backward) and AdamW's step. Prints host wall time per step (median over interleaved rounds), the ratios
+the issue sets goals for, and the modeled trn2 device time of a step in each neuron mode.
+
+    python bench/compile.py [--steps 10] [--rounds 5] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchneuron
+import torchneuron.eager
+from torchneuron.hardware import estimate
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 2, seq: int = 32) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+class Mode:
+    """One way of running the training step."""
+
+    def __init__(self, name: str, base: nn.Module, device: str, backend: str | None, adaptive: bool,
+                 batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.name, self.device, self.adaptive = name, device, adaptive
+        self.model = copy.deepcopy(base).to(device)
+        self.forward = torch.compile(self.model, backend=backend) if backend else self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.opt_step = torch.compile(self.opt.step, backend=backend) if backend else self.opt.step
+        self.ids, self.targets = (t.to(device) for t in batch)
+        self.times: list[float] = []
+        self.loss = float("nan")
+
+    def step(self) -> torch.Tensor:
+        loss = self.forward(self.ids, self.targets)
+        loss.backward()
+        self.opt_step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def run(self, steps: int) -> float:
+        torchneuron.eager.set_eager_mode("adaptive" if self.adaptive else "eager")
+        try:
+            start = time.perf_counter()
+            for _ in range(steps):
+                loss = self.step()
+            self.loss = loss.item()  # waits for the device, and flushes adaptive eager's queue
+            return (time.perf_counter() - start) / steps
+        finally:
+            torchneuron.eager.set_eager_mode("eager")
+
+    def modeled_step(self, target: str) -> float | None:
+        if self.device == "cpu":
+            return None
+        torchneuron.eager.set_eager_mode("adaptive" if self.adaptive else "eager")
+        try:
+            with estimate(target) as est:
+                self.step().item()
+            return est.device_time_s
+        finally:
+            torchneuron.eager.set_eager_mode("eager")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per mode")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (compilation)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a shared 2-core host: 1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    base = TinyGPT()
+    batch = (torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32)))
+    modes = [
+        Mode("cpu eager", base, "cpu", None, False, batch),
+        Mode("cpu inductor", base, "cpu", "inductor", False, batch),
+        Mode("neuron eager", base, "neuron", None, False, batch),
+        Mode("neuron adaptive", base, "neuron", None, True, batch),
+        Mode("neuron compiled", base, "neuron", "neuron", False, batch),
+    ]
+    print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+          f"{args.threads} thread(s); tiny GPT (2 layers, d=64, 4 heads), batch 8 x 32 tokens, AdamW")
+    for mode in modes:
+        start = time.perf_counter()
+        mode.run(args.warmup)
+        print(f"  warm-up {mode.name:<16} {time.perf_counter() - start:7.1f} s (compilation included)")
+    for _ in range(args.rounds):
+        for mode in modes:
+            mode.times.append(mode.run(args.steps))
+    wall = {m.name: statistics.median(m.times) for m in modes}
+    modeled = {m.name: m.modeled_step("trn2") for m in modes}
+    print(f"\n{'mode':<18} {'host ms/step':>12} {'loss':>8} {'modeled trn2 step':>18}")
+    for mode in modes:
+        device = f"{modeled[mode.name] * 1e6:10.1f} us" if modeled[mode.name] else "         -"
+        print(f"{mode.name:<18} {wall[mode.name] * 1e3:12.2f} {mode.loss:8.4f} {device:>18}")
+
+    def ratio(a: str, b: str) -> float:
+        return wall[a] / wall[b]
+
+    print("\nratios (host wall time, same process):")
+    print(f"  neuron compiled / cpu inductor    {ratio('neuron compiled', 'cpu inductor'):5.2f}x   (goal <= 1.10x)")
+    print(f"  neuron eager / neuron compiled    {ratio('neuron eager', 'neuron compiled'):5.2f}x   (goal >= 1.50x)")
+    print(f"  neuron adaptive / cpu eager       {ratio('neuron adaptive', 'cpu eager'):5.2f}x   (goal <= 1.00x)")
+    print(f"  neuron eager / cpu eager          {ratio('neuron eager', 'cpu eager'):5.2f}x   (for reference)")
+    eager_device = modeled["neuron eager"]
+    print("modeled trn2 speedup over neuron eager: "
+          f"adaptive {eager_device / modeled['neuron adaptive']:.2f}x, "
+          f"compiled {eager_device / modeled['neuron compiled']:.2f}x")
+    print("adaptive eager:", torchneuron.eager.stats())
+
+
+if __name__ == "__main__":
+    main()
