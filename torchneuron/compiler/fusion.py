@@ -84,6 +84,9 @@ def _numel(t: torch.Tensor) -> int:
 
 @dataclass(eq=False)
 class Group:
+    """A kernel being formed: its nodes, placement, role, iteration size and the kernels that
+    consume its results (for the cycle check)."""
+
     index: int
     placement: str
     role: str
@@ -94,6 +97,8 @@ class Group:
 
 
 class _Grouper:
+    """Assigns nodes, in topological order, to kernels (see the module docstring)."""
+
     def __init__(self, partition: Partition) -> None:
         self.partition = partition
         self.groups: list[Group] = []
