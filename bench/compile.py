@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import platform
 import statistics
 import time
 
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 
 import torchneuron
 import torchneuron.eager
+from machine import describe
 from torchneuron.hardware import estimate
 
 
@@ -117,8 +116,8 @@ def main() -> None:
         Mode("neuron adaptive", base, "neuron", None, True, batch),
         Mode("neuron compiled", base, "neuron", "neuron", False, batch),
     ]
-    print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"{args.threads} thread(s); tiny GPT (2 layers, d=64, 4 heads), batch 8 x 32 tokens, AdamW")
+    print(f"machine: {describe()}")
+    print("model: tiny GPT (2 layers, d=64, 4 heads, vocab 256), batch 8 x 32 tokens, AdamW")
     for mode in modes:
         start = time.perf_counter()
         mode.run(args.warmup)
