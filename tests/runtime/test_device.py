@@ -79,3 +79,14 @@ def test_host_view_is_a_zero_copy_ordinary_cpu_tensor():
     assert h.device.type == "cpu" and not h.is_inference() and h.shape == (2, 2)
     h.add_(5)  # in place, outside inference mode
     assert x.cpu().tolist() == [[0, 5, 5], [0, 5, 5]]
+
+
+def test_module_to_keeps_parameter_identity_and_ties():
+    emb = torch.nn.Embedding(8, 4)
+    head = torch.nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight  # tied, as in GPT-2
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    weight = emb.weight
+    model.to("neuron")
+    assert model["emb"].weight is weight and model["head"].weight is weight  # as on CUDA
+    assert weight.device.type == "neuron"

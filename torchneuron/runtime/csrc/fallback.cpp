@@ -654,6 +654,18 @@ void neuron_record_stream(Tensor& self, c10::Stream stream) {
   static_cast<c10::DeviceAllocator*>(device_allocator())->recordStream(self.storage().data_ptr(), stream);
 }
 
+// `param.data = neuron_tensor` (Module.to) swaps a tensor's metadata in place only when the two
+// TensorImpls are "shallow-copy compatible"; c10 lists dense backends by name and PrivateUse1 is not
+// among them, so without this Module.to("neuron") would replace parameters and untie shared ones
+// (GPT-2's wte/lm_head). Dense strided CPU and neuron tensors are as compatible as CPU and CUDA.
+bool neuron_has_compatible_shallow_copy_type(const Tensor& self, const Tensor& from) {
+  auto dense_strided = [](const Tensor& t) {
+    return t.layout() == c10::kStrided && (is_neuron(t) || t.device().is_cpu()) && !t.is_quantized() &&
+           !t.is_nested();
+  };
+  return dense_strided(self) && dense_strided(from);
+}
+
 // Ops whose CPU kernel must run on the neuron TensorImpl itself (storage swaps, resizes).
 void redispatch_to_cpu_kernel(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
   op.redispatchBoxed(kCPUKeys, stack);
@@ -707,6 +719,7 @@ static bool g_installed = [] {
   m.impl("set_", TORCH_FN(neuron_set_empty));
   m.impl("copy_", TORCH_FN(neuron_copy_));
   m.impl("record_stream", TORCH_FN(neuron_record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(neuron_has_compatible_shallow_copy_type));
   m.impl("_copy_from", TORCH_FN(neuron_copy_from));
   m.impl("_copy_from_and_resize", TORCH_FN(neuron_copy_from_and_resize));
   m.impl("convolution_overrideable", TORCH_FN(neuron_convolution));
