@@ -180,3 +180,20 @@ def test_environment_variable_enables_the_mode():
     assert out.returncode == 0, out.stderr[-2000:]
     mode, total, queued = out.stdout.split()
     assert (mode, float(total), int(queued)) == ("adaptive", 16.0, 3)  # add, mul, sum
+
+
+def test_events_time_queued_work():
+    """An event recorded after queued ops is timed after them: the guard flushes the queue."""
+    import torchneuron
+
+    a = torch.randn(256, 256, device="neuron")
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    torchneuron.set_eager_mode("adaptive")
+    try:
+        start.record()
+        b = (a * 2 + 1).relu()
+        end.record()
+        assert start.elapsed_time(end) > 0
+        assert torch.equal(b.cpu(), (a.cpu() * 2 + 1).relu())
+    finally:
+        torchneuron.set_eager_mode("eager")

@@ -45,6 +45,7 @@ def set_eager_mode(mode: str) -> None:
         _mode = AdaptiveMode(_executor)
         _mode.__enter__()
         _register_flush_hook()
+        _set_runtime_flush_hook(True)
         _flush_before_printing(True)
     elif mode == "eager" and _mode is not None:
         _mode.flush()
@@ -56,6 +57,7 @@ def set_eager_mode(mode: str) -> None:
         _mode.__exit__(None, None, None)
         _mode = None
         _flush_before_printing(False)
+        _set_runtime_flush_hook(False)
 
 
 def get_eager_mode() -> str:
@@ -107,6 +109,21 @@ def _register_flush_hook() -> None:
     add = getattr(timeline, "add_pending_source", None)
     if add is not None:
         add(_flush_and_drain)
+
+
+_runtime_hook_library: Any = None
+
+
+def _set_runtime_flush_hook(on: bool) -> None:
+    """Events, waits and synchronisations (C++ device guard) flush the queue first, so queued work
+    is timed before them."""
+    global _runtime_hook_library
+    import torch
+
+    if on and _runtime_hook_library is None:
+        _runtime_hook_library = torch.library.Library("torchneuron", "IMPL")
+        _runtime_hook_library.impl("_flush_queued_work", flush, "CompositeExplicitAutograd")
+    torch.ops.torchneuron.set_flush_hook(on)
 
 
 _original_str: Any = None
