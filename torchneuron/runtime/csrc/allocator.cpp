@@ -46,26 +46,23 @@ struct DeviceMemory {
   size_t cached_bytes = 0;
   DeviceStats stats;
 
-  void count_alloc(size_t block, size_t requested) {
-    stats.allocation[kAgg].increase(1);
-    stats.allocated_bytes[kAgg].increase(block);
-    stats.active[kAgg].increase(1);
-    stats.active_bytes[kAgg].increase(block);
-    stats.requested_bytes[kAgg].increase(requested);
+  // Updates every statistic a live block contributes to: +1 when it is handed out, -1 when freed.
+  void count_block(size_t block, size_t requested, bool handed_out) {
+    auto apply = [handed_out](Stat& stat, size_t amount) {
+      if (handed_out) stat.increase(amount);
+      else stat.decrease(amount);
+    };
     const size_t pool = block >= kLargeBlock ? 2 : 1;
-    stats.allocation[pool].increase(1);
-    stats.allocated_bytes[pool].increase(block);
+    for (size_t kind : {kAgg, pool}) {
+      apply(stats.allocation[kind], 1);
+      apply(stats.allocated_bytes[kind], block);
+    }
+    apply(stats.active[kAgg], 1);
+    apply(stats.active_bytes[kAgg], block);
+    apply(stats.requested_bytes[kAgg], requested);
   }
-  void count_free(size_t block, size_t requested) {
-    stats.allocation[kAgg].decrease(1);
-    stats.allocated_bytes[kAgg].decrease(block);
-    stats.active[kAgg].decrease(1);
-    stats.active_bytes[kAgg].decrease(block);
-    stats.requested_bytes[kAgg].decrease(requested);
-    const size_t pool = block >= kLargeBlock ? 2 : 1;
-    stats.allocation[pool].decrease(1);
-    stats.allocated_bytes[pool].decrease(block);
-  }
+  void count_alloc(size_t block, size_t requested) { count_block(block, requested, true); }
+  void count_free(size_t block, size_t requested) { count_block(block, requested, false); }
   void reserve(size_t block) {
     stats.segment[kAgg].increase(1);
     stats.reserved_bytes[kAgg].increase(block);
