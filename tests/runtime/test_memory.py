@@ -61,3 +61,17 @@ def test_reading_a_freed_storage_is_a_clear_error():
     with pytest.raises(RuntimeError, match="storage was freed or resized"):
         x + 1
     assert (torch.ones(2, device="neuron") * 2).tolist() == [2.0, 2.0]
+
+
+def test_reset_accumulated_and_peak_stats():
+    x = torch.empty(1024, device="neuron")
+    torch.neuron.reset_peak_memory_stats()
+    peak = torch.neuron.max_memory_allocated()
+    del x
+    assert torch.neuron.max_memory_allocated() == peak  # the peak outlives the tensor
+    torch.neuron.reset_accumulated_memory_stats()
+    stats = torch.neuron.memory_stats()
+    assert stats["allocation.all.allocated"] == 0 and stats["allocated_bytes.all.freed"] == 0
+    y = torch.empty(1024, device="neuron")
+    assert torch.neuron.memory_stats()["allocation.all.allocated"] == 1
+    del y

@@ -63,6 +63,12 @@ struct DeviceMemory {
   }
   void count_alloc(size_t block, size_t requested) { count_block(block, requested, true); }
   void count_free(size_t block, size_t requested) { count_block(block, requested, false); }
+  template <class F>
+  void for_each_stat(F&& f) {  // every Stat this allocator maintains
+    for (auto* array : {&stats.allocation, &stats.segment, &stats.active, &stats.allocated_bytes,
+                        &stats.reserved_bytes, &stats.active_bytes, &stats.requested_bytes})
+      for (Stat& s : *array) f(s);
+  }
   void reserve(size_t block) {
     stats.segment[kAgg].increase(1);
     stats.reserved_bytes[kAgg].increase(block);
@@ -196,12 +202,7 @@ struct NeuronAllocator final : c10::DeviceAllocator {
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     DeviceMemory& m = memory_of(device);
     std::lock_guard<std::mutex> lock(m.mutex);
-    auto reset = [](c10::CachingAllocator::StatArray& a) {
-      for (auto& s : a) s.reset_accumulated();
-    };
-    reset(m.stats.allocation); reset(m.stats.segment); reset(m.stats.active);
-    reset(m.stats.allocated_bytes); reset(m.stats.reserved_bytes); reset(m.stats.active_bytes);
-    reset(m.stats.requested_bytes);
+    m.for_each_stat([](Stat& s) { s.reset_accumulated(); });
     m.stats.num_alloc_retries = 0;
     m.stats.num_ooms = 0;
     m.stats.num_device_alloc = 0;
@@ -210,12 +211,7 @@ struct NeuronAllocator final : c10::DeviceAllocator {
   void resetPeakStats(c10::DeviceIndex device) override {
     DeviceMemory& m = memory_of(device);
     std::lock_guard<std::mutex> lock(m.mutex);
-    auto reset = [](c10::CachingAllocator::StatArray& a) {
-      for (auto& s : a) s.reset_peak();
-    };
-    reset(m.stats.allocation); reset(m.stats.segment); reset(m.stats.active);
-    reset(m.stats.allocated_bytes); reset(m.stats.reserved_bytes); reset(m.stats.active_bytes);
-    reset(m.stats.requested_bytes);
+    m.for_each_stat([](Stat& s) { s.reset_peak(); });
   }
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     DeviceMemory& m = memory_of(device);
