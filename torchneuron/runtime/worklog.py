@@ -133,6 +133,9 @@ def drain() -> None:
     records = np.frombuffer(raw.numpy(), dtype=RECORD)
     for hook in _drain_hooks:
         hook(records)
+    if len(records) <= _SMALL_BATCH:
+        _drain_small(records, device_timeline)
+        return
     is_work = records["kind"] <= COPY
     work_index = np.flatnonzero(is_work)
     priced, inverse = _price_unique(records if len(work_index) == len(records) else records[work_index])
@@ -155,6 +158,29 @@ def drain() -> None:
         if stop < len(records):
             _replay(records[stop], None, device_timeline)
         begin = stop + 1
+
+
+# Below this many records, numpy's per-call overhead outweighs vectorising: price and apply each
+# record in plain Python (the common case when a collective or compiled graph charges its work).
+_SMALL_BATCH = 32
+
+
+def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
+    words = np.array(records).view(np.uint64).reshape(len(records), _WORDS)
+    words[:, _NOT_KEY_WORDS] = 0
+    columns = zip(records["kind"].tolist(), records["device"].tolist(), records["stream"].tolist(),
+                  records["op_id"].tolist(), records["flags"].tolist(), records["aux"].tolist(), range(len(records)))
+    for kind, device, stream, op_id, flags, aux, i in columns:
+        cost = None
+        if kind <= COPY:
+            if flags & FALLBACK:
+                cost = _price(records[i])
+            else:
+                key = words[i].tobytes()
+                cost = _price_cache.get(key)
+                if cost is None:
+                    cost = _price_cache[key] = _price(records[i])
+        _apply(kind, device, stream, op_id, flags, aux, cost, device_timeline)
 
 
 def _charge_run(records: np.ndarray, lanes: np.ndarray, durations: np.ndarray, engine_of: np.ndarray,
