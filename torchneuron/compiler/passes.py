@@ -121,6 +121,16 @@ def fold_constants(gm: GraphModule) -> int:
     return changed
 
 
+def _bypass(gm: GraphModule, node: Node, source: Any) -> bool:
+    """Replaces a no-op `node` by its `source` (unless it is a graph output or reads an input
+    directly, whose identity the caller sees); True when it did."""
+    if _is_output_value(node) or not isinstance(source, Node) or source.op == "placeholder":
+        return False
+    node.replace_all_uses_with(source)
+    gm.graph.erase_node(node)
+    return True
+
+
 def _collapse(gm: GraphModule, targets: set, combine: Callable[[Node, Node], Any],
               is_identity: Callable[[Node], bool]) -> int:
     """Rewrites op(op(x, a), b) -> op(x, combine) and removes identities for one op family."""
@@ -132,11 +142,7 @@ def _collapse(gm: GraphModule, targets: set, combine: Callable[[Node, Node], Any
         if isinstance(inner, Node) and inner.op == "call_function" and inner.target in targets:
             node.args = (inner.args[0], combine(inner, node)) + tuple(node.args[2:])
             changed += 1
-        source = node.args[0]
-        if is_identity(node) and not _is_output_value(node) and isinstance(source, Node) \
-                and source.op != "placeholder":
-            node.replace_all_uses_with(source)
-            gm.graph.erase_node(node)
+        if is_identity(node) and _bypass(gm, node, node.args[0]):
             changed += 1
     if changed:
         eliminate_dead_code(gm)
@@ -211,9 +217,7 @@ def normalize_dtype(gm: GraphModule) -> int:
                 _set_source(node, inner[0])  # the intermediate conversion lost nothing
                 source, src_val = inner[0], origin_val
                 changed += 1
-        if src_val.dtype == dtype and not _is_output_value(node) and source.op != "placeholder":
-            node.replace_all_uses_with(source)
-            gm.graph.erase_node(node)
+        if src_val.dtype == dtype and _bypass(gm, node, source):
             changed += 1
     if changed:
         eliminate_dead_code(gm)
