@@ -8,12 +8,15 @@ advance their stream's clock, event records note it, waits and synchronisations 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from torchneuron.hardware import model as perf_model
 from torchneuron.hardware.targets import on_target_change
+from torchneuron.hardware import timeline as device_timeline
 from torchneuron.hardware.timeline import add_pending_source
 from torchneuron.runtime.extension import ops
 
@@ -59,10 +62,6 @@ def _signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
 
 def _price(record: np.void) -> Any:
     """The modeled cost of one op/copy record; eager ops also pay the kernel launch."""
-    import dataclasses
-
-    from torchneuron.hardware import model as perf_model
-
     n_sigs, n_inputs = int(record["n_sigs"]), int(record["n_inputs"])
     sigs = [_signature(record["sigs"][i]) for i in range(n_sigs)]
     name = op_name(int(record["op_id"]))
@@ -82,10 +81,9 @@ def _nbytes(sig: tuple[torch.dtype, tuple[int, ...]]) -> int:
     numel = 1
     for s in shape:
         numel *= s
-    return numel * _ELEMENT_SIZE.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+    return numel * dtype.itemsize
 
 
-_ELEMENT_SIZE: dict[torch.dtype, int] = {}
 # A record as 26 uint64 words; the words that identify its cost are kind|op_id, flags|n_inputs,
 # n_sigs|pad and the signatures (device|stream, aux and host_seconds don't change the price).
 _WORDS = RECORD.itemsize // 8
@@ -128,8 +126,6 @@ def drain() -> None:
     raw = ops().worklog_drain()
     if raw.numel() == 0:
         return
-    from torchneuron.hardware import timeline as device_timeline
-
     records = np.frombuffer(raw.numpy(), dtype=RECORD)
     for hook in _drain_hooks:
         hook(records)
@@ -238,8 +234,6 @@ def _apply(kind: int, device: int, stream: int, op_id: int, flags: int, aux: int
 
 def _host_waited(t: float, timeline: Any = None) -> None:
     """The host waited until device time t: nothing it issues afterwards starts earlier."""
-    from torchneuron.hardware import timeline as device_timeline
-
     timelines = [timeline] if timeline is not None else device_timeline.all_timelines()
     for tl in timelines:
         for stream in tl.stream_ids():
@@ -251,8 +245,6 @@ def charge(name: str, cost: Any, device: int | None = None, stream: int | None =
     """Charges work done outside the aten fallback (an NKI kernel, a fused kernel, a collective) to
     the device timeline, in order after everything already logged. Returns its (start, end) in
     modeled seconds. `device`/`stream` default to the current device and its current stream."""
-    from torchneuron.hardware import timeline as device_timeline
-
     drain()
     index = int(ops().current_device()) if device is None else int(device)
     stream_id = int(ops().current_stream_id(index)) if stream is None else int(stream)
