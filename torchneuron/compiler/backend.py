@@ -40,6 +40,10 @@ INDUCTOR_PATCHES: dict[str, Any] = {
     "cuda_backend": "cpp",
     "freezing": False,
     "cpp_wrapper": False,
+    # Dynamo's guards already check the sizes and strides of every graph input, so the generated
+    # code does not re-check them (and host kernels' results against their meta) on every call.
+    "size_asserts": False,
+    "alignment_asserts": False,
 }
 _warned_modes: set[str] = set()
 _graph_ids = iter(range(1 << 62))

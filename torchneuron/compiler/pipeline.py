@@ -7,6 +7,7 @@ so it runs inside Inductor after decomposition and autograd, before lowering, an
 1. passes.py: dead code, constant folding, layout and dtype normalisation;
 2. partition.py: device / host-fallback / cpu placement of every op;
 3. fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
+4. nki_kernels.lower_to_host: NKI-kernel ops become the host kernels they execute as;
 
 and stores the resulting `GraphPlan` in `gm.meta`, where the wrapper code generation embeds
 it into the generated module. With TORCHNEURON_COMPILE_DUMP_DIR set, it writes the graph
@@ -21,7 +22,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch.fx import GraphModule
 
-from torchneuron.compiler import artifacts, config, flex_attention
+from torchneuron.compiler import artifacts, config, flex_attention, nki_kernels
 from torchneuron.compiler.codegen import PLAN_META_KEY
 from torchneuron.compiler.cost import eager_cost, plan_costs
 from torchneuron.compiler.fusion import build_kernels, fuse
@@ -92,6 +93,7 @@ class NeuronGraphPass(CustomGraphModulePass):
         symbols = symbol_sources(gm)
         plan = GraphPlan(name, _device_index(gm), kernels, symbols)
         gm.meta[PLAN_META_KEY] = plan
+        rewrites["lowered_to_host_kernels"] = nki_kernels.lower_to_host(gm)
         if dumping:
             artifacts.write(name, "aten_after_passes.txt", gm.print_readable(print_output=False))
             artifacts.write(name, "passes.json", rewrites)

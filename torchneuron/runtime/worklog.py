@@ -9,6 +9,7 @@ advance their stream's clock, event records note it, waits and synchronisations 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any, Callable
 
 import numpy as np
@@ -161,18 +162,22 @@ def drain() -> None:
 _SMALL_BATCH = 32
 
 
+_HEAD = struct.Struct("<8iqd")  # kind, op_id, device, stream, flags, n_inputs, n_sigs, pad, aux, host_seconds
+_ZEROS = bytes(16)
+
+
 def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
-    words = np.array(records).view(np.uint64).reshape(len(records), _WORDS)
-    words[:, _NOT_KEY_WORDS] = 0
-    columns = zip(records["kind"].tolist(), records["device"].tolist(), records["stream"].tolist(),
-                  records["op_id"].tolist(), records["flags"].tolist(), records["aux"].tolist(), range(len(records)))
-    for kind, device, stream, op_id, flags, aux, i in columns:
+    data = records.tobytes()
+    size = RECORD.itemsize
+    for i in range(len(records)):
+        at = i * size
+        kind, op_id, device, stream, flags, _, _, _, aux, _ = _HEAD.unpack_from(data, at)
         cost = None
         if kind <= COPY:
             if flags & FALLBACK:
                 cost = _price(records[i])
-            else:
-                key = words[i].tobytes()
+            else:  # the same key as _price_unique's: the record's words with _NOT_KEY_WORDS zeroed
+                key = data[at:at + 8] + _ZEROS[:8] + data[at + 16:at + 32] + _ZEROS + data[at + 48:at + size]
                 cost = _price_cache.get(key)
                 if cost is None:
                     cost = _price_cache[key] = _price(records[i])

@@ -3,7 +3,8 @@
 // that leave the process usable.
 //
 // Blocks are rounded to 512 bytes and kept in a per-device cache when freed; a request is served
-// from the smallest cached block that fits without wasting more than a quarter of it. Memory that a
+// from the smallest cached block that fits without wasting more than a quarter of it (the most
+// recently freed of that size). Memory that a
 // CPU kernel allocated for an op's result is *adopted*: it is counted against the same capacity and
 // statistics, and released to the host when the tensor dies (it never enters the cache).
 #include "neuron.h"
@@ -14,6 +15,7 @@
 #include <torch/library.h>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -154,6 +156,9 @@ struct NeuronAllocator final : c10::DeviceAllocator {
       if (size) {
         auto it = m.cache.lower_bound(size);
         if (it != m.cache.end() && it->first <= size + size / 4) {
+          // Of the blocks of the best-fitting size, reuse the one freed last: like a host malloc,
+          // it is likely still in the CPU caches (the oldest one is likely evicted).
+          it = std::prev(m.cache.upper_bound(it->first));
           ptr = it->second;
           const size_t got = it->first;
           m.cached_bytes -= got;
