@@ -140,6 +140,8 @@ def main() -> None:
     print(f"  neuron eager / neuron compiled    {ratio('neuron eager', 'neuron compiled'):5.2f}x   (goal >= 1.50x)")
     print(f"  neuron adaptive / cpu eager       {ratio('neuron adaptive', 'cpu eager'):5.2f}x   (goal <= 1.00x)")
     print(f"  neuron eager / cpu eager          {ratio('neuron eager', 'cpu eager'):5.2f}x   (for reference)")
+    print(f"  cpu eager / cpu inductor          {ratio('cpu eager', 'cpu inductor'):5.2f}x   (for reference: "
+          "what compiling gains on the host itself)")
     eager_device = modeled["neuron eager"]
     print("modeled trn2 speedup over neuron eager: "
           f"adaptive {eager_device / modeled['neuron adaptive']:.2f}x, "

@@ -269,7 +269,9 @@ class Executor:
     def __init__(self) -> None:
         self.compiler: KernelCompiler | None = None
         self.kernels: dict[tuple, _Kernel] = {}
-        self.volatile: dict[tuple, set[int]] = {}   # key -> positions whose floats vary
+        # op sequence -> positions whose floats vary (keyed by the ops alone, so a run known to split
+        # is not described whole first; a wrong guess only runs a few more ops eagerly)
+        self.volatile: dict[tuple, set[int]] = {}
         self.last_floats: dict[tuple, tuple] = {}
         # A flush may run inside the queue's dispatch handler, below autograd, where the keys of the
         # dispatch layers above are excluded; compiling needs them back (as when this was created).
@@ -296,17 +298,20 @@ class Executor:
         if untraceable is not None:
             self._split(entries, {untraceable})
             return
+        ops = tuple(id(e.func) for e in entries)  # ops are process-lived singletons
+        volatile = self.volatile.get(ops)
+        if volatile:  # known to split here: skip describing the whole run first
+            self._split(entries, volatile)
+            return
         try:
             run = describe(entries)
         except _Untraceable as error:
             self._split(entries, {error.position})
             return
-        volatile = self.volatile.get(run.key)
-        if volatile:
+        if self._note_floats(run, ops):
             del run  # it references every output: sub-runs must see only their own references
-            self._split(entries, volatile)
+            self._split(entries, self.volatile[ops])
             return
-        self._note_floats(run)
         kernel = self.kernels.setdefault((run.key, run.floats), _Kernel())
         kernel.sightings += 1
         if kernel.failed or (kernel.program is None and kernel.sightings < COMPILE_AFTER):
@@ -342,11 +347,15 @@ class Executor:
             start = position + 1
         self._run_segment(entries[start:])
 
-    def _note_floats(self, run: _Run) -> None:
+    def _note_floats(self, run: _Run, ops: tuple[int, ...]) -> bool:
+        """Whether the run's floats differ from its last sighting's; if so, the ops holding the
+        changed floats are noted as volatile for runs of this op sequence."""
         previous = self.last_floats.get(run.key)
         self.last_floats[run.key] = run.floats
-        if previous is not None and previous != run.floats:
-            self.volatile[run.key] = {p for p, a, b in zip(run.float_positions, previous, run.floats) if a != b}
+        if previous is None or previous == run.floats:
+            return False
+        self.volatile[ops] = {p for p, a, b in zip(run.float_positions, previous, run.floats) if a != b}
+        return True
 
     def _compile(self, kernel: _Kernel, run: _Run, mask: tuple[bool, ...]) -> Runner:
         """The fused program for this liveness; if it cannot be compiled, the same replay run

@@ -93,7 +93,7 @@ def _signature(value: Any, tensors: list[torch.Tensor], floats: list[float]) -> 
         tensors.append(value)
         return (value.dtype, value.shape, value.stride())
     if isinstance(value, (list, tuple)):
-        return tuple(_signature(v, tensors, floats) for v in value)
+        return tuple([_signature(v, tensors, floats) for v in value])  # a list is built faster than a genexpr
     if type(value) is float:
         floats.append(value)
         return FLOAT
