@@ -4,8 +4,9 @@ A neuron buffer is host memory, so Inductor's CPU code generation (`CppSchedulin
 correct kernels for it; this module owns the pieces that make Inductor accept the device:
 
 - `NeuronDeviceOpOverrides`: device guard, streams and synchronisation lines in generated code;
-- `NeuronWrapperCodegen`: the Python wrapper. It calls the C++ kernels as CPU kernels (they
-  take raw pointers into host memory) and embeds the graph's `DeviceProgram` (the fused-kernel
+- `NeuronWrapperCodegen`: the Python wrapper. It allocates buffers with the runtime's
+  `empty_strided`, calls the C++ kernels as CPU kernels (they take raw pointers into host
+  memory) and embeds the graph's `DeviceProgram` (the fused-kernel
   plan built by `pipeline.NeuronGraphPass`), so the generated module charges its kernels to the
   device timeline on every call, also when Inductor's caches reload it in a later process;
 - `register()`: registers both, with the graph pass as the device's custom post-grad pass.
@@ -68,8 +69,19 @@ class NeuronWrapperCodegen(PythonWrapperCodegen):
             device = torch.device("cpu")  # the kernel reads and writes host memory directly
         super()._generate_kernel_call_helper(kernel_name, call_args, device=device, **kwargs)
 
+    def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None, is_pinned=False) -> str:
+        """Buffers come straight from the device allocator (`empty_strided_neuron`, the runtime's
+        counterpart of Inductor's `empty_strided_cpu`) instead of through `torch.empty_strided`."""
+        from torch._inductor import config as inductor_config
+
+        if device.type != "neuron" or is_pinned or inductor_config.test_configs.track_memory_lifecycle:
+            return super().make_allocation(name, device, dtype, shape, stride, allocation_shape, is_pinned)
+        line = super().make_allocation(name, torch.device("cpu"), dtype, shape, stride, allocation_shape)
+        return line.replace(f"{name} = empty_strided_cpu(", f"{name} = empty_strided_neuron(", 1)
+
     def write_header(self) -> None:
         super().write_header()
+        self.imports.writeline("from torchneuron.runtime._C import empty_strided as empty_strided_neuron")
         plan = _current_plan()
         if plan is not None:
             self.imports.writeline("from torchneuron.compiler.program import DeviceProgram")

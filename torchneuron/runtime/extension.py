@@ -1,7 +1,8 @@
 """Loads the C++ runtime library (torchneuron/runtime/_C.so) into the process.
 
 The library registers the `neuron` device's allocator, device guard, hooks, generators and the
-eager fallback with PyTorch's dispatcher. It is built by `pip install --no-build-isolation -e .`
+eager fallback with PyTorch's dispatcher; once loaded, it is also importable as the module
+`torchneuron.runtime._C` (fast entry points for generated code, csrc/python.cpp). It is built by `pip install --no-build-isolation -e .`
 (or `python setup.py build_ext --inplace` in a checkout).
 """
 from __future__ import annotations
