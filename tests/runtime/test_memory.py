@@ -75,3 +75,29 @@ def test_reset_accumulated_and_peak_stats():
     y = torch.empty(1024, device="neuron")
     assert torch.neuron.memory_stats()["allocation.all.allocated"] == 1
     del y
+
+
+def test_the_most_recently_freed_block_is_reused_first():
+    # Like a host malloc: the block freed last is the one most likely still in the CPU caches.
+    a = torch.empty(4096, device="neuron")
+    b = torch.empty(4096, device="neuron")
+    pointers = (a.data_ptr(), b.data_ptr())
+    del a, b  # b is freed last
+    c = torch.empty(4096, device="neuron")
+    assert c.data_ptr() == pointers[1]
+
+
+def test_fast_empty_strided_entry_point():
+    from torchneuron.runtime._C import empty_strided
+
+    base = torch.neuron.memory_allocated()
+    x = empty_strided((8, 4), (1, 8), torch.bfloat16)
+    assert x.device == torch.device("neuron", torch.neuron.current_device())
+    assert (x.shape, x.stride(), x.dtype) == ((8, 4), (1, 8), torch.bfloat16)
+    assert torch.neuron.memory_allocated() > base
+    with torch.neuron.device(1):
+        assert empty_strided((2,), (1,), torch.float32).device == torch.device("neuron", 1)
+    with pytest.raises(TypeError, match="tuple of ints"):
+        empty_strided([2], (1,), torch.float32)
+    with pytest.raises(ValueError, match="differ in length"):
+        empty_strided((2, 2), (1,), torch.float32)
