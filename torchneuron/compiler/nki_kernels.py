@@ -26,19 +26,29 @@ from torch.fx import GraphModule
 aten = torch.ops.aten
 
 
+# The host kernels' arguments from the ops' arguments (shared by the ops and lower_to_host).
+def _host_forward(query, key, value, attn_mask, is_causal, scale) -> tuple[tuple, dict[str, Any]]:
+    return (query, key, value, 0.0, is_causal), {"attn_mask": attn_mask, "scale": scale}
+
+
+def _host_backward(grad_out, query, key, value, out, logsumexp, attn_mask, is_causal,
+                   scale) -> tuple[tuple, dict[str, Any]]:
+    return (grad_out, query, key, value, out, logsumexp, 0.0, is_causal), {"attn_mask": attn_mask, "scale": scale}
+
+
 def _flash_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, is_causal: bool,
                      scale: float | None) -> tuple[Tensor, Tensor]:
     """Fused attention softmax(q k^T * scale + mask) v without materialising the scores."""
-    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, attn_mask=attn_mask,
-                                                            scale=scale)
+    args, kwargs = _host_forward(query, key, value, attn_mask, is_causal, scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
 
 
 def _flash_attention_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
                               logsumexp: Tensor, attn_mask: Tensor | None, is_causal: bool,
                               scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of flash_attention with respect to q, k and v."""
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    args, kwargs = _host_backward(grad_out, query, key, value, out, logsumexp, attn_mask, is_causal, scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
 # Each op's fake is its implementation run on fake tensors (the host kernel's meta function): the
@@ -66,15 +76,6 @@ def _backward(ctx, grad_out: Tensor, grad_logsumexp: Tensor):
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _host_forward(query, key, value, attn_mask, is_causal, scale) -> tuple[tuple, dict[str, Any]]:
-    return (query, key, value, 0.0, is_causal), {"attn_mask": attn_mask, "scale": scale}
-
-
-def _host_backward(grad_out, query, key, value, out, logsumexp, attn_mask, is_causal,
-                   scale) -> tuple[tuple, dict[str, Any]]:
-    return (grad_out, query, key, value, out, logsumexp, 0.0, is_causal), {"attn_mask": attn_mask, "scale": scale}
 
 
 # op -> (the host ATen op computing the same results, its arguments from the op's arguments)
