@@ -18,6 +18,11 @@ from torchneuron.hardware.timeline import get_timeline, has_listeners, recording
 from torchneuron.runtime.extension import ops
 
 
+def _price_key(target: str, bindings: dict[str, int] | None) -> tuple:
+    """What a plan's prices depend on: the target and the sizes bound to its symbols."""
+    return target, tuple(sorted((bindings or {}).items()))
+
+
 class DeviceProgram:
     """The kernel plan of one compiled graph and the charging of it."""
 
@@ -34,7 +39,7 @@ class DeviceProgram:
     def entries(self, bindings: dict[str, int] | None = None) -> list[tuple[str, Any, dict]]:
         """(name, Cost, meta) of each kernel for the current target and these sizes."""
         target = get_target()
-        key = (target.name, tuple(sorted((bindings or {}).items())))
+        key = _price_key(target.name, bindings)
         entries = self._priced.get(key)
         if entries is None:
             costs = plan_costs(self.plan.kernels, bindings, target)
@@ -45,7 +50,7 @@ class DeviceProgram:
 
     def totals(self, bindings: dict[str, int] | None = None) -> tuple[float, dict[str, float], int]:
         """(device seconds, busy seconds per engine, kernel count) of the whole plan."""
-        key = (get_target().name, tuple(sorted((bindings or {}).items())))
+        key = _price_key(get_target().name, bindings)
         totals = self._totals.get(key)
         if totals is None:
             busy: dict[str, float] = {}

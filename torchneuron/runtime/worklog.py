@@ -163,7 +163,23 @@ _SMALL_BATCH = 32
 
 
 _HEAD = struct.Struct("<8iqd")  # kind, op_id, device, stream, flags, n_inputs, n_sigs, pad, aux, host_seconds
-_ZEROS = bytes(16)
+
+
+def _key_spans() -> list[tuple[int, int, bytes | None]]:
+    """A record's bytes as runs of key words (None: copy them) and of words outside the key
+    (their zero bytes), from _NOT_KEY_WORDS, so both drain paths build the same price key."""
+    spans: list[tuple[int, int, bytes | None]] = []
+    for word in range(_WORDS):
+        start, keep = word * 8, word not in _NOT_KEY_WORDS
+        if spans and (spans[-1][2] is None) == keep:
+            begin, _, _ = spans.pop()
+            start = begin
+        end = (word + 1) * 8
+        spans.append((start, end, None if keep else bytes(end - start)))
+    return spans
+
+
+_KEY_SPANS = _key_spans()
 
 
 def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
@@ -177,7 +193,7 @@ def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
             if flags & FALLBACK:
                 cost = _price(records[i])
             else:  # the same key as _price_unique's: the record's words with _NOT_KEY_WORDS zeroed
-                key = data[at:at + 8] + _ZEROS[:8] + data[at + 16:at + 32] + _ZEROS + data[at + 48:at + size]
+                key = b"".join(data[at + a:at + b] if zeros is None else zeros for a, b, zeros in _KEY_SPANS)
                 cost = _price_cache.get(key)
                 if cost is None:
                     cost = _price_cache[key] = _price(records[i])
