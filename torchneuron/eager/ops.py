@@ -113,6 +113,7 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
+_NUMBERS = (int, float, bool)
 _scalar_overloads: dict[tuple, Any] = {}
 _tensor_positions: dict[Any, tuple[int, ...]] = {}
 
@@ -125,9 +126,12 @@ def traceable_overload(func: Any, args: tuple) -> Any:
     if positions is None:
         positions = _tensor_positions[func] = tuple(
             i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only)
-    numbers = tuple(i for i in positions if i < len(args) and type(args[i]) in (int, float, bool))
-    if not numbers:
-        return func
+    for i in positions:
+        if i < len(args) and type(args[i]) in _NUMBERS:
+            break
+    else:
+        return func  # the common case: no Python number where a Tensor goes
+    numbers = tuple(i for i in positions if i < len(args) and type(args[i]) in _NUMBERS)
     key = (func, numbers)
     if key not in _scalar_overloads:
         schema = func._schema

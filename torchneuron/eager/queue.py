@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchneuron.eager.ops import QUEUE, UNQUEUEABLE, VIEW, OpInfo, op_info, output_specs
 from torchneuron.eager.recording import worklog_paused
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 MAX_QUEUE = 1024
 FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)
@@ -37,7 +37,8 @@ TO_COPY = aten._to_copy.default
 ALLOCATORS = frozenset({aten.new_empty_strided.default, aten.new_empty.default, aten.empty_like.default,
                         aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
                         aten.zeros_like.default, aten.ones_like.default, aten.full_like.default})
-DEVICE_TENSORS = (torch.Tensor, torch.nn.Parameter)
+NO_NEURON, SOME_NEURON, ALL_NEURON = 0, 1, 2  # where an op's tensors are (fast.signature; plain
+# Tensors and Parameters only count as ALL_NEURON: a subclass may keep its data elsewhere)
 
 
 class Entry:
@@ -88,23 +89,11 @@ def _flat(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _signature(value: Any, tensors: list[torch.Tensor], floats: list[float]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return (value.dtype, value.shape, value.stride())
-    if isinstance(value, (list, tuple)):
-        return tuple([_signature(v, tensors, floats) for v in value])  # a list is built faster than a genexpr
-    if type(value) is float:
-        floats.append(value)
-        return FLOAT
-    return value
-
-
 def _allocate(spec: Any, device: torch.device) -> Any:
     if isinstance(spec, list):
         return [_allocate(s, device) for s in spec]
     shape, stride, dtype = spec
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return fast.empty_strided(shape, stride, dtype, device.index)
 
 
 class AdaptiveMode(TorchDispatchMode):
@@ -113,7 +102,6 @@ class AdaptiveMode(TorchDispatchMode):
     def __init__(self, executor: Any) -> None:
         super().__init__()
         self.executor = executor          # fusion.Executor: runs a flushed queue
-        self.runtime = ops()
         self.entries: list[Entry] = []
         self.pending: dict[int, torch.Tensor] = {}   # id -> queued result or recorded view
         self.starts: list[int] = []       # sorted start addresses of pending buffers
@@ -166,7 +154,7 @@ class AdaptiveMode(TorchDispatchMode):
     def _enqueue(self, func: Any, info: OpInfo, args: tuple, kwargs: dict, tensors: list[torch.Tensor],
                  signature: Any, floats: list[float]) -> Any:
         device = tensors[0].device
-        lane = (device.index, int(self.runtime.current_stream_id(device.index)))
+        lane = (device.index, fast.current_stream_id(device.index))
         if lane != self.lane:  # a queue holds the ops of one stream of one device
             self.flush()
             self.lane, self.stream = lane, torch.accelerator.current_stream(device)
@@ -204,16 +192,15 @@ class AdaptiveMode(TorchDispatchMode):
         if self.flushing:
             return func(*args, **kwargs)
         info = op_info(func)
-        tensors: list[torch.Tensor] = []
-        floats: list[float] = []
-        signature = (_signature(args, tensors, floats),
-                     tuple((k, _signature(v, tensors, floats)) for k, v in kwargs.items()) if kwargs else None)
+        # The arguments' signature: tensors as (dtype, sizes, strides), lists and tuples as tuples of
+        # their items', floats as FLOAT (their values kept apart), anything else as itself.
+        signature, tensors, floats, placement = fast.signature(args, kwargs, FLOAT)
         if not tensors:
             if info.random:
                 return self._run_now(func, args, kwargs)
             return func(*args, **kwargs)  # a factory: reads no device data, writes fresh memory
-        if not all(type(t) in DEVICE_TENSORS and t.device.type == "neuron" for t in tensors):
-            if any(t.device.type == "neuron" for t in tensors):
+        if placement != ALL_NEURON:  # some tensor is on another device or of a tensor subclass
+            if placement == SOME_NEURON:
                 return self._run_now(func, args, kwargs)
             return func(*args, **kwargs)  # host-only work never touches queued buffers
         if info.kind == VIEW:

@@ -2,13 +2,19 @@
 // generated code calls often enough that going through the dispatcher's Python bindings costs
 // more than the work itself.
 //
-// empty_strided(size, stride, dtype): an uninitialised tensor on the current neuron device,
-// straight from the device allocator (what Inductor's generated code allocates its buffers with;
-// the CPU's equivalent is torch._C._dynamo.guards._empty_strided_cpu).
+// - empty_strided(size, stride, dtype, device=-1): an uninitialised tensor on a neuron device (the
+//   current one by default), straight from the device allocator. Inductor's generated code
+//   allocates its buffers with it (the CPU's equivalent is _dynamo.guards._empty_strided_cpu).
+// - current_stream_id(device): the id of the calling thread's current stream on a device.
+// - signature(args, kwargs, float_marker): what adaptive eager mode keys an op call by, and where
+//   its tensors are, walked in C++ (see signature() below).
 #include "neuron.h"
 
 #include <ATen/EmptyTensor.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 namespace torchneuron {
@@ -27,14 +33,90 @@ c10::SmallVector<int64_t, 6> int_tuple(PyObject* obj, const char* what) {
   return values;
 }
 
-at::Tensor empty_strided(py::handle size, py::handle stride, py::handle dtype) {
+at::Tensor empty_strided(py::handle size, py::handle stride, py::handle dtype, int64_t device) {
   if (!THPDtype_Check(dtype.ptr())) throw py::type_error("empty_strided: dtype must be a torch.dtype");
   const auto sizes = int_tuple(size.ptr(), "size");
   const auto strides = int_tuple(stride.ptr(), "stride");
   if (sizes.size() != strides.size()) throw py::value_error("empty_strided: size and stride differ in length");
   const auto scalar_type = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+  std::optional<c10::DeviceGuard> guard;  // the allocator serves the current device
+  if (device >= 0) {
+    check_device_index(static_cast<c10::DeviceIndex>(device));
+    guard.emplace(c10::Device(kNeuron, static_cast<c10::DeviceIndex>(device)));
+  }
   return at::detail::empty_strided_generic(sizes, strides, device_allocator(),
                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), scalar_type);
+}
+
+py::tuple int_array(c10::IntArrayRef values) {
+  py::tuple result(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyTuple_SET_ITEM(result.ptr(), i, PyLong_FromLongLong(values[i]));
+  }
+  return result;
+}
+
+// One argument's signature: a tensor is (dtype, sizes, strides) and is appended to `tensors`; a
+// list or tuple is the tuple of its items' signatures; a float is `marker` and its value is
+// appended to `floats`; anything else is itself.
+py::object argument_signature(py::handle value, py::list& tensors, py::list& floats, py::handle marker) {
+  PyObject* obj = value.ptr();
+  if (THPVariable_Check(obj)) {
+    tensors.append(value);
+    const at::Tensor& tensor = THPVariable_Unpack(obj);
+    py::handle dtype(reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type())));
+    return py::make_tuple(dtype, int_array(tensor.sizes()), int_array(tensor.strides()));
+  }
+  if (PyTuple_Check(obj) || PyList_Check(obj)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    py::tuple result(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      py::object item = argument_signature(PySequence_Fast_GET_ITEM(obj, i), tensors, floats, marker);
+      PyTuple_SET_ITEM(result.ptr(), i, item.release().ptr());
+    }
+    return std::move(result);
+  }
+  if (PyFloat_CheckExact(obj)) {
+    floats.append(value);
+    return py::reinterpret_borrow<py::object>(marker);
+  }
+  return py::reinterpret_borrow<py::object>(value);
+}
+
+// Where an op call's tensors are, as signature() reports it.
+enum Placement : int { kNoNeuron = 0, kMixed = 1, kAllNeuron = 2 };
+
+// kAllNeuron when every tensor is a plain Tensor or Parameter on a neuron device (none at all
+// counts as kNoNeuron), kMixed when only some are.
+int placement(const py::list& tensors) {
+  static PyObject* parameter = py::module_::import("torch.nn").attr("Parameter").ptr();
+  size_t neuron = 0;
+  bool plain = true;
+  for (auto item : tensors) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(item.ptr()));
+    plain = plain && (type == THPVariableClass || type == parameter);
+    neuron += THPVariable_Unpack(item.ptr()).device().type() == kNeuron;
+  }
+  if (neuron == 0) return kNoNeuron;
+  return neuron == tensors.size() && plain ? kAllNeuron : kMixed;
+}
+
+// (signature of args, tuple of (name, signature) of kwargs or None), the tensors in order, the
+// floats, and the tensors' Placement.
+py::tuple signature(py::tuple args, py::dict kwargs, py::handle marker) {
+  py::list tensors, floats;
+  py::object positional = argument_signature(args, tensors, floats, marker);
+  py::object keywords = py::none();
+  if (!kwargs.empty()) {
+    py::tuple items(kwargs.size());
+    size_t i = 0;
+    for (auto item : kwargs) {
+      items[i++] = py::make_tuple(item.first, argument_signature(item.second, tensors, floats, marker));
+    }
+    keywords = std::move(items);
+  }
+  const int where = placement(tensors);
+  return py::make_tuple(py::make_tuple(positional, keywords), tensors, floats, where);
 }
 
 }  // namespace
@@ -42,5 +124,13 @@ at::Tensor empty_strided(py::handle size, py::handle stride, py::handle dtype) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchneuron's C++ runtime: fast entry points for generated code";
-  m.def("empty_strided", &torchneuron::empty_strided, "An uninitialised tensor on the current neuron device");
+  m.def("empty_strided", &torchneuron::empty_strided, "An uninitialised tensor on a neuron device",
+        py::arg("size"), py::arg("stride"), py::arg("dtype"), py::arg("device") = -1);
+  m.def("current_stream_id", [](int64_t device) {
+    torchneuron::check_device_index(static_cast<c10::DeviceIndex>(device));
+    return torchneuron::current_stream_id(static_cast<c10::DeviceIndex>(device));
+  }, "The calling thread's current stream id on a neuron device");
+  m.def("signature", &torchneuron::signature,
+        "(signature, tensors, floats, placement) of an op call's arguments; placement: 0 no neuron tensor, "
+        "1 some, 2 all (and all plain Tensors or Parameters)");
 }
