@@ -75,9 +75,16 @@ def _is_flash_attention(node: Node) -> bool:
 def _rewrite_flash_attention(node: Node) -> Node:
     args = _sdpa_arguments(node)
     graph = node.graph
+    mask = args.get("attn_mask")
     with graph.inserting_before(node):
+        example = _example(mask)
+        if isinstance(example, torch.Tensor) and example.dtype == torch.bool:
+            # The kernel adds its mask to the scores: True (attend) -> 0, False -> -inf, as
+            # scaled_dot_product_attention converts a boolean mask itself.
+            additive = graph.call_function(torch.where, (mask, 0.0, float("-inf")))
+            mask = graph.call_method("to", (additive, _example(args["query"]).dtype))
         fused = graph.call_function(torch.ops.torchneuron.flash_attention.default,
-                                    (args["query"], args["key"], args["value"], args.get("attn_mask"),
+                                    (args["query"], args["key"], args["value"], mask,
                                      bool(args.get("is_causal") or False), args.get("scale")))
         out = graph.call_function(operator.getitem, (fused, 0))
     example = _example(node)

@@ -1,0 +1,53 @@
+"""Attention under torch.compile(backend="neuron"): scaled_dot_product_attention becomes the NKI
+flash-attention kernel in the plan and runs as the host flash-attention kernel, with causal,
+boolean and additive masks, forward and backward, matching eager."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchneuron.compiler import nki_kernels
+
+
+def attention(q, k, v, mask, causal):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal).sin()
+
+
+def masks(length):
+    keep = torch.ones(length, length, dtype=torch.bool).tril()
+    return {"causal": (None, True), "bool": (keep, False),
+            "additive": (torch.zeros(length, length).masked_fill(~keep, float("-inf")), False)}
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool", "additive"])
+def test_compiled_attention_matches_eager_forward_and_backward(fresh_dynamo, kind, monkeypatch):
+    lowered = []
+    original = nki_kernels.lower_to_host
+    monkeypatch.setattr(nki_kernels, "lower_to_host", lambda gm: lowered.append(original(gm)) or lowered[-1])
+    mask, causal = masks(16)[kind]
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, 4, 16, 8, generator=g) for _ in range(3)]
+    eager = [t.to("neuron").requires_grad_() for t in base]
+    compiled = [t.to("neuron").requires_grad_() for t in base]
+    device_mask = None if mask is None else mask.to("neuron")
+
+    expected = attention(*eager, device_mask, causal)
+    expected.sum().backward()
+    result = torch.compile(attention, backend="neuron")(*compiled, device_mask, causal)
+    result.sum().backward()
+
+    assert sum(lowered) == 2, "forward and backward each run the substituted kernel on the host"
+    torch.testing.assert_close(result.cpu(), expected.cpu(), atol=1e-5, rtol=1e-5)
+    for mine, reference in zip(compiled, eager):
+        torch.testing.assert_close(mine.grad.cpu(), reference.grad.cpu(), atol=1e-5, rtol=1e-5)
+    reference = attention(*base, mask, causal)  # and the CPU
+    torch.testing.assert_close(result.cpu(), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attention_op_results_have_the_kernels_layout():
+    q = torch.randn(2, 4, 16, 8, device="neuron")
+    out, logsumexp = torch.ops.torchneuron.flash_attention(q, q, q, None, True, None)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        fake_out, fake_lse = torch.ops.torchneuron.flash_attention(fake, fake, fake, None, True, None)
+    assert (out.shape, out.stride()) == (fake_out.shape, fake_out.stride())
+    assert (logsumexp.shape, logsumexp.stride()) == (fake_lse.shape, fake_lse.stride())
