@@ -130,6 +130,31 @@ def test_compiled_graph_charges_fewer_kernels_and_less_time_than_eager(fresh_dyn
     assert fused.device_time_s < eager.device_time_s / 2
 
 
+def test_event_timing_around_a_compiled_graph_counts_eager_work_issued_before_it(fresh_dynamo):
+    # Without a listener, a graph's plan is charged at once and eager work still in the work log
+    # is applied later: events must time the same as when everything is applied in order.
+    from torchneuron.runtime.worklog import drain
+
+    compiled = torch.compile(lambda x: (x @ x).relu().sum(0), backend="neuron")
+    x = torch.randn(256, 256, device="neuron")
+    compiled(x)
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+
+    def timed(in_order: bool) -> float:
+        x + 1  # eager work before the start event
+        start.record()
+        x * 2  # and between the event and the graph
+        if in_order:
+            drain()
+        compiled(x)
+        end.record()
+        return start.elapsed_time(end)
+
+    deferred, in_order = timed(False), timed(True)
+    assert deferred == pytest.approx(in_order, rel=1e-9)
+    assert deferred > 0
+
+
 def test_failure_raises_with_reason_or_falls_back_to_eager(fresh_dynamo, monkeypatch):
     from torchneuron.compiler import fusion
 

@@ -15,7 +15,7 @@ from torchneuron.compiler.cost import plan_costs
 from torchneuron.compiler.plan import GraphPlan
 from torchneuron.hardware.targets import get_target
 from torchneuron.hardware.timeline import get_timeline, has_listeners, recording_enabled
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime import _C as fast  # the runtime's entry points for per-call Python code
 
 
 def _price_key(target: str, bindings: dict[str, int] | None) -> tuple:
@@ -61,36 +61,38 @@ class DeviceProgram:
         return totals
 
     def charge(self, bindings: dict[str, int] | None = None) -> None:
-        """Charges every kernel of the plan, after all work issued before this call: one by one
-        when a listener (the profiler) watches the timeline, as one back-to-back block otherwise."""
+        """Charges every kernel of the plan after all work issued before this call: one by one
+        when a listener (the profiler, estimate()) watches the timeline, as one back-to-back block
+        otherwise."""
         from torchneuron.runtime.worklog import drain
 
-        runtime = ops()
-        if runtime.worklog_pending():
-            drain()
         device = self.plan.device
         timeline = get_timeline(device)
-        stream = int(runtime.current_stream_id(device))
+        stream = fast.current_stream_id(device)
         if not has_listeners():
+            # Pending op records may be applied after the plan: their streams' clocks add up the
+            # same. Pending control records (an event, a wait, a sync) must see them first.
+            if fast.worklog_pending_control():
+                drain()
             timeline.advance(stream, *self.totals(bindings))
             return
+        if fast.worklog_pending():
+            drain()
         for name, cost, meta in self.entries(bindings):
             timeline.enqueue(stream, cost, name, meta)
 
     def wrap(self, call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """The generated `call`, running paused from the work log and charging the plan."""
         symbolic = bool(self.plan.symbols)
-        runtime = ops()
 
         def run_logged(args: list[Any]) -> Any:
-            if not runtime.worklog_enabled():
+            if not fast.worklog_exchange_enabled(False):  # recording is off: leave it off
                 return call(args)
-            bindings = self.plan.bindings(args) if symbolic else None
-            runtime.set_worklog_enabled(False)
             try:
+                bindings = self.plan.bindings(args) if symbolic else None  # before `call` clears args
                 result = call(args)
             finally:
-                runtime.set_worklog_enabled(True)
+                fast.worklog_exchange_enabled(True)
             if recording_enabled():
                 self.charge(bindings)
             return result

@@ -73,6 +73,11 @@ struct WorkRecord {
 static_assert(sizeof(WorkRecord) == 48 + kMaxSigs * 40, "WorkRecord layout is read by Python");
 
 bool worklog_enabled();
+// Turns recording on or off; returns whether it was on.
+bool worklog_exchange_enabled(bool on);
+// Records appended and not yet drained; of those, the control records (events, waits, syncs).
+int64_t worklog_pending_count();
+int64_t worklog_pending_control_count();
 void fill_sig(TensorSig& s, const at::Tensor& t);
 void fill_sig_numel(TensorSig& s, c10::ScalarType dtype, int64_t numel);
 // Appends a record (already filled except device/stream) for the current stream of `device`.

@@ -6,6 +6,9 @@
 //   current one by default), straight from the device allocator. Inductor's generated code
 //   allocates its buffers with it (the CPU's equivalent is _dynamo.guards._empty_strided_cpu).
 // - current_stream_id(device): the id of the calling thread's current stream on a device.
+// - worklog_exchange_enabled(on) -> was_on, worklog_pending(), worklog_pending_control(): the
+//   work log's switch, its size and its control records (events, waits, syncs) not yet drained;
+//   a compiled graph pauses the log around its host code and charges its plan on every call.
 // - signature(args, kwargs, float_marker): what adaptive eager mode keys an op call by, and where
 //   its tensors are, walked in C++ (see signature() below).
 #include "neuron.h"
@@ -130,6 +133,11 @@ PYBIND11_MODULE(_C, m) {
     torchneuron::check_device_index(static_cast<c10::DeviceIndex>(device));
     return torchneuron::current_stream_id(static_cast<c10::DeviceIndex>(device));
   }, "The calling thread's current stream id on a neuron device");
+  m.def("worklog_exchange_enabled", &torchneuron::worklog_exchange_enabled,
+        "Turns recording of device work on or off; returns whether it was on", py::arg("on"));
+  m.def("worklog_pending", &torchneuron::worklog_pending_count, "Records not yet drained");
+  m.def("worklog_pending_control", &torchneuron::worklog_pending_control_count,
+        "Event, wait and synchronisation records not yet drained");
   m.def("signature", &torchneuron::signature,
         "(signature, tensors, floats, placement) of an op call's arguments; placement: 0 no neuron tensor, "
         "1 some, 2 all (and all plain Tensors or Parameters)");

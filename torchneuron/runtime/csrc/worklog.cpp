@@ -23,6 +23,7 @@ static std::atomic<bool> g_enabled{[] {
 }()};
 static std::mutex g_log_mutex;
 static std::vector<WorkRecord> g_log;
+static int64_t g_pending_control = 0;  // event, wait and synchronisation records in g_log
 static size_t g_drain_threshold = 1 << 15;
 thread_local bool tl_draining = false;
 
@@ -90,6 +91,7 @@ void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId strea
   r.aux = aux;
   std::lock_guard<std::mutex> lock(g_log_mutex);
   g_log.push_back(r);
+  ++g_pending_control;
 }
 
 // Python side: take every record so far as raw bytes (a uint8 CPU tensor).
@@ -99,15 +101,21 @@ static at::Tensor worklog_drain() {
     std::lock_guard<std::mutex> lock(g_log_mutex);
     taken.swap(g_log);
     g_log.reserve(1024);
+    g_pending_control = 0;
   }
   at::Tensor out = at::empty({static_cast<int64_t>(taken.size() * sizeof(WorkRecord))}, at::kByte);
   if (!taken.empty()) std::memcpy(out.data_ptr(), taken.data(), taken.size() * sizeof(WorkRecord));
   return out;
 }
-static int64_t worklog_pending() {
+int64_t worklog_pending_count() {
   std::lock_guard<std::mutex> lock(g_log_mutex);
   return static_cast<int64_t>(g_log.size());
 }
+int64_t worklog_pending_control_count() {
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  return g_pending_control;
+}
+bool worklog_exchange_enabled(bool on) { return g_enabled.exchange(on); }
 static void set_worklog_enabled(bool on) { g_enabled = on; }
 static bool get_worklog_enabled() { return worklog_enabled(); }
 static void set_worklog_threshold(int64_t n) { g_drain_threshold = static_cast<size_t>(std::max<int64_t>(n, 1)); }
@@ -116,7 +124,7 @@ static int64_t worklog_threshold() { return static_cast<int64_t>(g_drain_thresho
 
 TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("worklog_drain() -> Tensor", &worklog_drain);
-  m.def("worklog_pending() -> int", &worklog_pending);
+  m.def("worklog_pending() -> int", &worklog_pending_count);
   m.def("set_worklog_enabled(bool on) -> ()", &set_worklog_enabled);
   m.def("worklog_enabled() -> bool", &get_worklog_enabled);
   m.def("set_worklog_threshold(int n) -> ()", &set_worklog_threshold);
