@@ -14,7 +14,7 @@ from torchneuron import eager
 from torchneuron.compiler.cost import plan_costs
 from torchneuron.compiler.plan import GraphPlan
 from torchneuron.hardware.targets import get_target
-from torchneuron.hardware.timeline import get_timeline, has_listeners, recording_enabled
+from torchneuron.hardware.timeline import get_timeline, has_listeners
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-call Python code
 
 
@@ -86,15 +86,16 @@ class DeviceProgram:
         symbolic = bool(self.plan.symbols)
 
         def run_logged(args: list[Any]) -> Any:
-            if not fast.worklog_exchange_enabled(False):  # recording is off: leave it off
+            # The work log's switch (TORCHNEURON_TIMELINE, worklog.set_enabled) decides for compiled
+            # graphs as for eager ops: when recording is off, leave it off and charge nothing.
+            if not fast.worklog_exchange_enabled(False):
                 return call(args)
             try:
                 bindings = self.plan.bindings(args) if symbolic else None  # before `call` clears args
                 result = call(args)
             finally:
                 fast.worklog_exchange_enabled(True)
-            if recording_enabled():
-                self.charge(bindings)
+            self.charge(bindings)
             return result
 
         def run(args: list[Any]) -> Any:
