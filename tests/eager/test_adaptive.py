@@ -197,3 +197,16 @@ def test_events_time_queued_work():
         assert torch.equal(b.cpu(), (a.cpu() * 2 + 1).relu())
     finally:
         torchneuron.set_eager_mode("eager")
+
+
+def test_flush_from_user_code_runs_ops_as_they_were_queued(adaptive):
+    """Ops queued below autograd (an optimizer's in-place update of a leaf) run at an explicit
+    flush without entering autograd again: no error, no grad_fn, one version bump."""
+    w = torch.ones(4, device="neuron", requires_grad=True)
+    with torch.no_grad():
+        w.mul_(3).add_(1)
+    version = w._version
+    assert adaptive._mode.entries
+    adaptive.flush()
+    assert w.grad_fn is None and w.is_leaf and w._version == version
+    assert torch.equal(w.detach().cpu(), torch.full((4,), 4.0))

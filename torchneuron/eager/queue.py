@@ -140,7 +140,10 @@ class AdaptiveMode(TorchDispatchMode):
         try:
             if current != stream:  # run on the stream the ops were issued on
                 torch.accelerator.set_stream(stream)
-            self.executor.run(entries)
+            # The ops were queued below autograd; a flush from user code (flush(), a timeline
+            # reader, printing) must not record them in the autograd graph or bump versions again.
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                self.executor.run(entries)
         finally:
             if current != stream:
                 torch.accelerator.set_stream(current)
