@@ -52,6 +52,14 @@ class _Kernel:
 
 
 @dataclass
+class _Sequence:
+    """What is known of one run key: the floats of its last sighting and a kernel per floats."""
+
+    last_floats: tuple | None = None
+    kernels: dict[tuple, _Kernel] = field(default_factory=dict)
+
+
+@dataclass
 class _Run:
     entries: list[Entry]
     key: "_Key"
@@ -99,7 +107,8 @@ class _Untraceable(Exception):
 
 
 def describe(entries: list[Entry]) -> _Run:
-    """The key, floats, inputs and outputs of a run (from signatures taken at enqueue)."""
+    """The key, floats, inputs and outputs of a run (from signatures taken at enqueue). Raises
+    _Untraceable at the first op a graph cannot express."""
     local: dict[int, tuple] = {}
     external: dict[int, int] = {}
     inputs: list[torch.Tensor] = []
@@ -107,6 +116,8 @@ def describe(entries: list[Entry]) -> _Run:
     parts, floats, positions = [], [], []
     mutated: set[int] = set()
     for position, entry in enumerate(entries):
+        if traceable_overload(entry.func, entry.args) is None:
+            raise _Untraceable(position)
         refs = []
         for tensor in entry.tensors:
             ref = local.get(id(tensor))
@@ -268,11 +279,10 @@ class Executor:
 
     def __init__(self) -> None:
         self.compiler: KernelCompiler | None = None
-        self.kernels: dict[tuple, _Kernel] = {}
+        self.sequences: dict[_Key, _Sequence] = {}   # one lookup per run: keys are long to compare
         # op sequence -> positions whose floats vary (keyed by the ops alone, so a run known to split
         # is not described whole first; a wrong guess only runs a few more ops eagerly)
         self.volatile: dict[tuple, set[int]] = {}
-        self.last_floats: dict[tuple, tuple] = {}
         # A flush may run inside the queue's dispatch handler, below autograd, where the keys of the
         # dispatch layers above are excluded; compiling needs them back (as when this was created).
         self.dispatch_keys = (torch._C._dispatch_tls_local_include_set(),
@@ -294,10 +304,6 @@ class Executor:
         if sum(not e.is_view for e in entries) < MIN_OPS or self.compiler is None:
             self._eager(entries)
             return
-        untraceable = next((i for i, e in enumerate(entries) if traceable_overload(e.func, e.args) is None), None)
-        if untraceable is not None:
-            self._split(entries, {untraceable})
-            return
         ops = tuple(id(e.func) for e in entries)  # ops are process-lived singletons
         volatile = self.volatile.get(ops)
         if volatile:  # known to split here: skip describing the whole run first
@@ -308,11 +314,16 @@ class Executor:
         except _Untraceable as error:
             self._split(entries, {error.position})
             return
-        if self._note_floats(run, ops):
+        sequence = self.sequences.get(run.key)
+        if sequence is None:
+            sequence = self.sequences[run.key] = _Sequence()
+        if self._note_floats(run, sequence, ops):
             del run  # it references every output: sub-runs must see only their own references
             self._split(entries, self.volatile[ops])
             return
-        kernel = self.kernels.setdefault((run.key, run.floats), _Kernel())
+        kernel = sequence.kernels.get(run.floats)
+        if kernel is None:
+            kernel = sequence.kernels[run.floats] = _Kernel()
         kernel.sightings += 1
         if kernel.failed or (kernel.program is None and kernel.sightings < COMPILE_AFTER):
             self._eager(entries)
@@ -347,11 +358,10 @@ class Executor:
             start = position + 1
         self._run_segment(entries[start:])
 
-    def _note_floats(self, run: _Run, ops: tuple[int, ...]) -> bool:
+    def _note_floats(self, run: _Run, sequence: _Sequence, ops: tuple[int, ...]) -> bool:
         """Whether the run's floats differ from its last sighting's; if so, the ops holding the
         changed floats are noted as volatile for runs of this op sequence."""
-        previous = self.last_floats.get(run.key)
-        self.last_floats[run.key] = run.floats
+        previous, sequence.last_floats = sequence.last_floats, run.floats
         if previous is None or previous == run.floats:
             return False
         self.volatile[ops] = {p for p, a, b in zip(run.float_positions, previous, run.floats) if a != b}

@@ -7,6 +7,8 @@
   queue: a functional op (its outputs are allocated now and filled at flush, through its
   `out=` variant when it has one), or an in-place op mutating only `self` (and foreach
   versions of both);
+- ALLOCATE: reads only its tensor arguments' metadata and writes fresh memory (`empty_like`,
+  `new_zeros`, ...): runs immediately;
 - SYNC: anything else (random ops, host-only ops, data-dependent shapes, custom and c10d
   ops): the queue is flushed first and the op runs immediately, so stream order and random
   numbers stay eager's. Copies to or from the host are SYNC by their arguments (queue.py).
@@ -20,6 +22,7 @@ kernels, cached by the op and its arguments' signature.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +31,16 @@ import torch
 from torchneuron.hardware.model import classify
 from torchneuron.ops import policy
 
-VIEW, QUEUE, SYNC = "view", "queue", "sync"
+VIEW, QUEUE, SYNC, ALLOCATE = "view", "queue", "sync", "allocate"
 FUSIBLE_CATEGORIES = frozenset({"elementwise", "transcendental", "copy", "fill", "iota", "reduction", "softmax",
                                 "softmax_backward", "norm", "norm_backward", "matmul", "foreach",
                                 "foreach_transcendental", "optimizer", "gather", "scatter"})
 # Functional ops the model files under "view" (no data movement on the device) that fuse freely.
 FUSIBLE_OPS = frozenset({"aten::_unsafe_view", "aten::clone", "aten::alias_copy", "aten::view_copy"})
+# Ops with tensor arguments that read only their metadata and write fresh memory.
+ALLOCATORS = frozenset({"aten::new_empty_strided", "aten::new_empty", "aten::empty_like", "aten::new_zeros",
+                        "aten::new_ones", "aten::new_full", "aten::zeros_like", "aten::ones_like",
+                        "aten::full_like"})
 NEVER_QUEUED = frozenset({"aten::_copy_from", "aten::_copy_from_and_resize", "aten::_local_scalar_dense",
                           "aten::equal", "aten::set_", "aten::resize_", "aten::record_stream", "aten::item"})
 
@@ -46,6 +53,7 @@ class OpInfo:
     inplace: bool = False          # mutates self (or every tensor of the self list) and returns it
     out_overload: Any = None       # the .out variant a functional op runs as at flush
     out_names: tuple[str, ...] = ()
+    tensor_positions: tuple[int, ...] = ()  # positional Tensor arguments (for traceable_overload)
 
 
 def _argument_key(schema: torch._C.FunctionSchema) -> list[tuple[str, str]]:
@@ -75,6 +83,15 @@ def _is_view(schema: torch._C.FunctionSchema) -> bool:
 
 
 def _classify(func: torch._ops.OpOverload) -> OpInfo:
+    info = _kind_of(func)
+    if isinstance(func, torch._ops.OpOverload):
+        positions = tuple(i for i, a in enumerate(func._schema.arguments)
+                          if str(a.type) == "Tensor" and not a.kwarg_only)
+        info = dataclasses.replace(info, tensor_positions=positions)
+    return info
+
+
+def _kind_of(func: torch._ops.OpOverload) -> OpInfo:
     if not isinstance(func, torch._ops.OpOverload):
         return OpInfo(SYNC, random=True)
     if func.namespace == "profiler":
@@ -86,6 +103,8 @@ def _classify(func: torch._ops.OpOverload) -> OpInfo:
     base = name.split(".")[0]
     if _is_view(schema):
         return OpInfo(VIEW)
+    if base in ALLOCATORS and not schema.is_mutable:  # not their out= overloads
+        return OpInfo(ALLOCATE)
     random = torch.Tag.nondeterministic_seeded in func.tags or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
         or any(str(a.type).startswith("Generator") for a in schema.arguments)
     if random or base in NEVER_QUEUED or torch.Tag.inplace_view in func.tags \
@@ -103,29 +122,27 @@ def _classify(func: torch._ops.OpOverload) -> OpInfo:
     return OpInfo(QUEUE, fusible=fusible, out_overload=out, out_names=names)
 
 
-_infos: dict[Any, OpInfo] = {}
+_infos: dict[int, OpInfo] = {}   # by id(): OpOverload hashes in Python, this is the per-op hot path
+_classified: list[Any] = []      # keeps each classified op alive, so its id is never reused
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _infos.get(func)
+    info = _infos.get(id(func))
     if info is None:
-        info = _infos[func] = _classify(func)
+        info = _infos[id(func)] = _classify(func)
+        _classified.append(func)
     return info
 
 
 _NUMBERS = (int, float, bool)
 _scalar_overloads: dict[tuple, Any] = {}
-_tensor_positions: dict[Any, tuple[int, ...]] = {}
 
 
 def traceable_overload(func: Any, args: tuple) -> Any:
     """`func`, or the overload taking a Scalar where `args` pass a Python number for a Tensor
     argument (a wrapped number, as `x * 2` reaches aten): `mul.Tensor` -> `mul.Scalar`. Graph
     tracing cannot wrap the number itself. None when no such overload exists."""
-    positions = _tensor_positions.get(func)
-    if positions is None:
-        positions = _tensor_positions[func] = tuple(
-            i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only)
+    positions = op_info(func).tensor_positions
     for i in positions:
         if i < len(args) and type(args[i]) in _NUMBERS:
             break

@@ -23,9 +23,10 @@ import bisect
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchneuron.eager.ops import QUEUE, UNQUEUEABLE, VIEW, OpInfo, op_info, output_specs
+from torchneuron.eager.ops import ALLOCATE, QUEUE, UNQUEUEABLE, VIEW, OpInfo, op_info, output_specs
 from torchneuron.eager.recording import worklog_paused
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
@@ -33,10 +34,6 @@ MAX_QUEUE = 1024
 FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)
 aten = torch.ops.aten
 TO_COPY = aten._to_copy.default
-# Ops with tensor arguments that read only their metadata and write fresh memory.
-ALLOCATORS = frozenset({aten.new_empty_strided.default, aten.new_empty.default, aten.empty_like.default,
-                        aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-                        aten.zeros_like.default, aten.ones_like.default, aten.full_like.default})
 NO_NEURON, SOME_NEURON, ALL_NEURON = 0, 1, 2  # where an op's tensors are (fast.signature; plain
 # Tensors and Parameters only count as ALL_NEURON: a subclass may keep its data elsewhere)
 
@@ -165,7 +162,7 @@ class AdaptiveMode(TorchDispatchMode):
             result = args[0] if func._schema.returns else None
             outs: list = []
         else:
-            specs = output_specs(func, (func, signature), args, kwargs)
+            specs = output_specs(func, (id(func), signature), args, kwargs)
             if specs is UNQUEUEABLE:
                 return self._run_now(func, args, kwargs)
             outs = [_allocate(spec, device) for spec in specs]
@@ -190,8 +187,20 @@ class AdaptiveMode(TorchDispatchMode):
         return result
 
     # ---- dispatch ------------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # __torch_dispatch__ below turns Dynamo off itself, without torch's generic wrapper
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        # Dynamo must never trace the queue (an op issued from a frame Dynamo is evaluating lands
+        # here): what torch's disable wrapper does for dispatch modes, at a fraction of its cost.
+        prior = set_eval_frame(None)
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        finally:
+            set_eval_frame(prior)
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.flushing:
             return func(*args, **kwargs)
         info = op_info(func)
@@ -208,7 +217,7 @@ class AdaptiveMode(TorchDispatchMode):
             return func(*args, **kwargs)  # host-only work never touches queued buffers
         if info.kind == VIEW:
             return self._record_view(func, args, kwargs, tensors, signature, floats)
-        if func in ALLOCATORS:
+        if info.kind == ALLOCATE:
             return func(*args, **kwargs)
         if info.kind != QUEUE or torch.are_deterministic_algorithms_enabled():
             return self._run_now(func, args, kwargs)
