@@ -140,3 +140,15 @@ def test_full_range_seeds():
     assert torch.equal(a.cpu(), torch.randn(3))
     torch.neuron.manual_seed(2**63 + 5)
     assert torch.neuron.initial_seed() == 2**63 + 5
+
+
+def test_checkpoint_recomputation_draws_the_forwards_random_numbers():
+    """torch.utils.checkpoint restores the neuron generator before recomputing, as on CUDA:
+    the gradient of a checkpointed dropout uses the forward's mask."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    x = torch.ones(1000, device="neuron", requires_grad=True)
+    out = checkpoint(lambda h: torch.nn.functional.dropout(h * 1.0, 0.5), x, use_reentrant=False)
+    out.sum().backward()
+    assert torch.equal(x.grad.cpu(), (out.detach().cpu() != 0).float() * 2)

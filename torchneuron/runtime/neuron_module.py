@@ -22,6 +22,11 @@ def init() -> None:
     """Nothing to initialise lazily: the runtime is ready once torchneuron is imported."""
 
 
+# torch.cuda's flag, read by torch.utils.checkpoint: only an initialised device gets its RNG state
+# stashed and restored around a recomputation (so dropout draws the forward's mask again).
+_initialized = True
+
+
 __all__ = [
     "Event", "NeuronDeviceProperties", "Stream", "StreamContext", "current_device", "current_stream",
     "default_stream", "device", "device_count", "device_of", "empty_cache", "fallback_counts",
