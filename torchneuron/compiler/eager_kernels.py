@@ -1,8 +1,9 @@
 """The kernel compiler of adaptive eager mode: a run of queued ops -> one fused program.
 
-`compile_replay(replay, example_inputs)` traces the run's replay function (torchneuron.eager
-.fusion) to a functional ATen graph in the compiler's core op set (mutations of inputs and
-output buffers become copies at its end) and compiles it with Inductor's per-graph compiler,
+`compile_replay(replay, example_inputs, n_inputs)` traces the run's replay function
+(torchneuron.eager.fusion; its first `n_inputs` tensors are the run's inputs, the rest the output
+buffers it writes) to a functional ATen graph in the compiler's core op set (mutations of inputs
+and output buffers become copies at its end) and compiles it with Inductor's per-graph compiler,
 so the device pipeline (passes, partition, fusion, kernel plan) and code generation are the
 ones `torch.compile` uses, and the fused program charges its kernels to the device timeline.
 The result is called as `runner(list_of_tensors)`.
@@ -14,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 
-def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tensor]) -> Callable[[list], Any]:
+def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tensor],
+                   n_inputs: int) -> Callable[[list], Any]:
     from torch._inductor import config as inductor_config
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -27,14 +29,72 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
 
     register_inductor()
     # Tracing and compiling must not meet the adaptive eager queue (or any other dispatch mode).
-    with _disable_current_modes(), worklog_paused(), inductor_config.patch(INDUCTOR_PATCHES):
+    # The run was queued below autograd: whatever the grad mode at the flush, its replay records
+    # no autograd (an optimizer's in-place update of a leaf is legal there).
+    # Fused pointwise chains round every intermediate to its dtype, as the ops did one by one:
+    # adaptive eager promises plain eager's numerics (torch.compile keeps Inductor's upcasting).
+    patches = {**INDUCTOR_PATCHES, "emulate_precision_casts": True}
+    with _disable_current_modes(), worklog_paused(), inductor_config.patch(patches), torch.no_grad():
         def program(*tensors: torch.Tensor) -> tuple:
             replay(*tensors)
             return ()  # Inductor compiles graphs returning a tuple; the results are the writes
 
         gm = make_fx(functionalize(program, remove="mutations_and_views"), decomposition_table=core_decompositions(),
                      tracing_mode="fake")(*example_inputs)
+        write_inputs_last(gm, n_inputs)
         # Compile against the trace's fake tensors: the compiled program must not keep the run's
         # buffers alive (adaptive eager reads liveness from reference counts).
         fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
         return compile_graph(gm, fakes)
+
+
+aten = torch.ops.aten
+# Ops Inductor may turn into their source (its no-op removal) or that only re-view it: a value
+# reached through them may be the input's memory itself.
+_PASS_THROUGH = frozenset({aten.clone.default, aten.alias.default, aten._to_copy.default, aten.view.default,
+                           aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                           aten.permute.default, aten.t.default, aten.transpose.int, aten.squeeze.dim,
+                           aten.unsqueeze.default, aten.slice.Tensor, aten.select.int, aten.as_strided.default})
+
+
+def _sources(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The placeholders whose memory `node`'s value may be, once no-op copies are removed."""
+    while node.op == "call_function" and (node.target in _PASS_THROUGH or node.target is aten.copy.default):
+        node = node.args[1] if node.target is aten.copy.default else node.args[0]
+    return {node} if node.op == "placeholder" else set()
+
+
+def write_inputs_last(gm: torch.fx.GraphModule, n_inputs: int) -> None:
+    """Orders the graph's write-backs: the mutated inputs' after everything else.
+
+    Inductor removes a clone of a graph input as a no-op unless the clone is a graph output, but
+    here values leave through copies into buffers: `o = x.clone(); x.relu_()` becomes
+    `copy_(x, relu(x)); copy_(o, x)` and `o` would read the mutated `x`. Buffers are fresh memory,
+    so writing them before any input is always safe. A mutated input whose new value may be another
+    mutated input's memory (a swap through clones) has no safe order: that raises, and the run is
+    not fused."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    buffers = set(placeholders[n_inputs:])
+    writes = [n for n in gm.graph.nodes
+              if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in placeholders]
+    input_writes = [n for n in writes if n.args[0] not in buffers]
+    if not input_writes:
+        return
+    # Functionalization reads no input after writing it back, so the write-back can move to the
+    # end (its value is computed before it); checked, as a wrong order would be silent.
+    moving, already_written = set(input_writes), set()
+    for node in gm.graph.nodes:
+        if node in moving:
+            already_written.add(node.args[0])
+        elif already_written.intersection(node.all_input_nodes):
+            raise NotImplementedError("a traced run reads an input after writing it back")
+    output = next(iter(reversed(gm.graph.nodes)))
+    for node in input_writes:
+        output.prepend(node)
+    written: set[torch.fx.Node] = set()
+    for node in input_writes:
+        if _sources(node.args[1]) & written:
+            raise NotImplementedError("a fused run writing an input with another written input's old value "
+                                      "(a swap through clones) has no safe write-back order")
+        written.add(node.args[0])
+    gm.recompile()

@@ -29,8 +29,9 @@ _mode: Any = None  # the installed queue.AdaptiveMode, if any
 
 
 def set_kernel_compiler(compiler: KernelCompiler | None) -> None:
-    """Registers `compiler(fn, example_inputs) -> runner`, which compiles a replay function
-    of a run of queued ops into a fused program called as `runner(list_of_tensors)`."""
+    """Registers `compiler(fn, example_inputs, n_inputs) -> runner`, which compiles a replay
+    function of a run of queued ops (its first `n_inputs` tensors are the run's inputs, the rest
+    the output buffers it writes) into a fused program called as `runner(list_of_tensors)`."""
     _executor.compiler = compiler
 
 

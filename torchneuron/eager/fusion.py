@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from torchneuron.eager.ops import traceable_overload
+from torchneuron.eager.ops import flat_tensors, traceable_overload
 from torchneuron.eager.queue import Entry
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 MIN_OPS = 2
 COMPILE_AFTER = 2   # sightings of a run before it is compiled
 
-KernelCompiler = Callable[[Callable[..., None], list[torch.Tensor]], Callable[[list[torch.Tensor]], Any]]
+# compiler(replay, example_tensors, n_inputs) -> runner: the first n_inputs tensors are the run's
+# inputs, the rest the output buffers the replay writes.
+KernelCompiler = Callable[[Callable[..., None], list[torch.Tensor], int], Callable[[list[torch.Tensor]], Any]]
 Runner = Callable[[list[torch.Tensor]], Any]
 
 
@@ -128,7 +130,7 @@ def describe(entries: list[Entry]) -> _Run:
                     inputs.append(tensor)
             refs.append(ref)
         if entry.info is not None and entry.info.inplace:
-            written = len(_flat_tensors(entry.args[0]))
+            written = len(flat_tensors(entry.args[0]))
             mutated.update(r for r in refs[:written] if type(r) is int)
         parts.append((id(entry.func), entry.signature, tuple(refs)))  # ops are process-lived singletons
         floats.extend(entry.floats)
@@ -157,13 +159,6 @@ class _Key:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Key) and self.hash == other.hash and self.value == other.value
 
-
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat_tensors(v)]
-    return []
 
 
 def live_mask(outputs: list[torch.Tensor]) -> tuple[bool, ...]:
@@ -260,7 +255,7 @@ def replay_program(program: _Steps, mask: tuple[bool, ...], float_values: tuple)
 
         for position, (func, args, kwargs, is_view, first, produced) in enumerate(program.steps):
             result = func(*value(args), **{k: value(v) for k, v in kwargs})
-            for j, tensor in enumerate(_flat_tensors(result) if produced else ()):
+            for j, tensor in enumerate(flat_tensors(result) if produced else ()):
                 if not is_view and (first + j) in live_slot:
                     buffer = buffers[live_slot[first + j]]
                     buffer.copy_(tensor)
@@ -374,7 +369,7 @@ class Executor:
         replay = replay_program(kernel.program, mask, run.floats)
         try:
             with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys):
-                runner = self.compiler(replay, run.runtime_inputs + live)
+                runner = self.compiler(replay, run.runtime_inputs + live, len(run.runtime_inputs))
         except Exception as error:
             kernel.failed = True
             self.stats["compile_failures"] += 1
