@@ -17,12 +17,16 @@ An op with no tensor argument (a factory, a profiler marker) reads no device dat
 immediately, without a flush, unless it draws random numbers.
 
 `FUSIBLE` ops are queued ops a fused kernel may contain (the rest of the queued ops run one
-by one at flush). `output_specs` computes the outputs' shapes, strides and dtypes from meta
-kernels, cached by the op and its arguments' signature.
+by one at flush). The first time a functional op is seen with an argument signature it runs
+unqueued, and `learn_output_plan` records whether, and how, it can be queued with that
+signature afterwards (`known_output_plan`): its outputs' shapes, strides and dtypes from its
+meta kernel, checked against what the device kernel made, and whether its out= variant fills
+them faithfully.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,7 @@ import torch
 
 from torchneuron.hardware.model import classify
 from torchneuron.ops import policy
+from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 VIEW, QUEUE, SYNC, ALLOCATE = "view", "queue", "sync", "allocate"
 FUSIBLE_CATEGORIES = frozenset({"elementwise", "transcendental", "copy", "fill", "iota", "reduction", "softmax",
@@ -164,12 +169,55 @@ def traceable_overload(func: Any, args: tuple) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Output metadata from meta kernels
+# What queueing an op needs: its outputs' metadata, learnt once per op and signature
 # ---------------------------------------------------------------------------------------------
 
 OutputSpec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
-_specs: dict[Any, Any] = {}
 UNQUEUEABLE = object()
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """How a queued functional op gets its outputs: buffers shaped by `specs` (an OutputSpec per
+    return, or a list of them for Tensor[] returns), filled at flush through the op's out=
+    variant when `via_out`, else by the functional op and a copy."""
+
+    specs: list
+    via_out: bool
+
+
+_plans: dict[Any, Any] = {}
+
+
+def known_output_plan(key: Any) -> Any:
+    """The OutputPlan learnt for `key` (an op and its arguments' signature), UNQUEUEABLE, or None
+    when the op was never seen with that signature."""
+    return _plans.get(key)
+
+
+def learn_output_plan(func: Any, info: OpInfo, key: Any, args: tuple, kwargs: dict, result: Any) -> None:
+    """Learns from an op that just ran (with `result`) whether it can be queued with this
+    signature: only if its meta kernel predicts exactly the outputs the device kernel made, and
+    it fills them through its out= variant only if that gives the same values. The meta
+    function may disagree with the CPU kernel (bfloat16 layer norm statistics), and an out=
+    variant may not be the functional op (a 0-d `out` of binary_cross_entropy is resized)."""
+    specs = _meta_specs(func, args, kwargs)
+    if specs is UNQUEUEABLE or specs != _specs_of(func, result):
+        _plans[key] = UNQUEUEABLE
+        return
+    via_out = info.out_overload is not None and _out_variant_reproduces(info, specs, args, kwargs, result)
+    _plans[key] = OutputPlan(specs, via_out)
+
+
+def _returns(func: Any, result: Any) -> list:
+    return list(result) if isinstance(result, (tuple, list)) and len(func._schema.returns) > 1 else [result]
+
+
+def _specs_of(func: Any, result: Any) -> Any:
+    results = _returns(func, result)
+    if any(r is None for r in results):  # an output it skips (convolution_backward's output_mask)
+        return UNQUEUEABLE
+    return [[_spec(t) for t in r] if isinstance(r, (list, tuple)) else _spec(r) for r in results]
 
 
 def _to_meta(value: Any) -> Any:
@@ -180,22 +228,55 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def output_specs(func: Any, key: Any, args: tuple, kwargs: dict) -> Any:
-    """Output specs of a functional op (a list of OutputSpec, or of lists for Tensor[] returns),
-    or UNQUEUEABLE when no meta kernel can tell them. Cached by `key`."""
-    specs = _specs.get(key)
-    if specs is None:
-        try:
-            with torch.no_grad():
-                result = func(*_to_meta(args), **_to_meta(kwargs))
-        except Exception:
-            specs = UNQUEUEABLE
-        else:
-            results = result if isinstance(result, (tuple, list)) and len(func._schema.returns) > 1 else [result]
-            specs = [[_spec(t) for t in r] if isinstance(r, (list, tuple)) else _spec(r) for r in results]
-        _specs[key] = specs
-    return specs
+def _meta_specs(func: Any, args: tuple, kwargs: dict) -> Any:
+    try:
+        with torch.no_grad():
+            return _specs_of(func, func(*_to_meta(args), **_to_meta(kwargs)))
+    except Exception:
+        return UNQUEUEABLE
 
 
 def _spec(t: torch.Tensor) -> OutputSpec:
     return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def _out_variant_reproduces(info: OpInfo, specs: list, args: tuple, kwargs: dict, result: Any) -> bool:
+    """Runs the out= variant into fresh buffers (off the device timeline) and compares."""
+    from torchneuron.eager.recording import worklog_paused
+    from torchneuron.runtime import host_view
+
+    expected = flat_tensors(result)
+    outs = [allocate(spec, expected[0].device) for spec in specs]
+    try:
+        with worklog_paused(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            info.out_overload(*args, **kwargs, **dict(zip(info.out_names, outs)))
+    except Exception:
+        return False
+    got = flat_tensors(outs)
+    return len(got) == len(expected) and all(_same(host_view(a), host_view(b)) for a, b in zip(got, expected))
+
+
+def allocate(spec: Any, device: torch.device) -> Any:
+    """A device buffer (or list of them) for an OutputSpec (or list of them)."""
+    if isinstance(spec, list):
+        return [allocate(s, device) for s in spec]
+    shape, stride, dtype = spec
+    return fast.empty_strided(shape, stride, dtype, device.index)
+
+
+def flat_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value` (a tensor, or nested lists and tuples), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in flat_tensors(v)]
+    return []
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)

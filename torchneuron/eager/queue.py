@@ -23,10 +23,12 @@ import bisect
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._C._dynamo.eval_frame import set_eval_frame
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchneuron.eager.ops import ALLOCATE, QUEUE, UNQUEUEABLE, VIEW, OpInfo, op_info, output_specs
+from torchneuron.eager.ops import (ALLOCATE, QUEUE, UNQUEUEABLE, VIEW, OpInfo, allocate, flat_tensors,
+                                   known_output_plan, learn_output_plan, op_info)
 from torchneuron.eager.recording import worklog_paused
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
@@ -46,14 +48,15 @@ class Entry:
     `produced` are the tensors the op creates (its output buffers, or a view's results)."""
 
     __slots__ = ("func", "info", "args", "kwargs", "outs", "result", "is_view", "tensors", "signature", "floats",
-                 "produced")
+                 "produced", "via_out")
 
     def __init__(self, func: Any, info: OpInfo | None, args: tuple, kwargs: dict, outs: list, result: Any,
-                 tensors: list[torch.Tensor], signature: Any, floats: list[float], is_view: bool = False) -> None:
+                 tensors: list[torch.Tensor], signature: Any, floats: list[float], is_view: bool = False,
+                 via_out: bool = False) -> None:
         self.func, self.info, self.args, self.kwargs = func, info, args, kwargs
-        self.outs, self.result, self.is_view = outs, result, is_view
+        self.outs, self.result, self.is_view, self.via_out = outs, result, is_view, via_out
         self.tensors, self.signature, self.floats = tensors, signature, floats
-        self.produced = _flat(result) if is_view else _flat(outs)
+        self.produced = flat_tensors(result) if is_view else flat_tensors(outs)
 
     def run_eagerly(self) -> None:
         """Runs the op as plain eager would (its functional outputs via the out= variant)."""
@@ -62,7 +65,7 @@ class Entry:
         info = self.info
         if info.inplace:
             self.func(*self.args, **self.kwargs)
-        elif info.out_overload is not None:
+        elif self.via_out:
             kwargs = dict(self.kwargs)
             kwargs.update(zip(info.out_names, self.outs))
             info.out_overload(*self.args, **kwargs)
@@ -70,7 +73,7 @@ class Entry:
             results = self.func(*self.args, **self.kwargs)
             results = results if isinstance(results, (list, tuple)) and len(self.outs) > 1 else [results]
             with worklog_paused():  # moving the result into the handed-out buffer is not device work
-                for buffer, value in zip(self.produced, _flat(results)):
+                for buffer, value in zip(self.produced, flat_tensors(results)):
                     buffer.copy_(value)
 
     def release(self) -> None:
@@ -78,19 +81,34 @@ class Entry:
         self.args = self.kwargs = self.outs = self.result = self.tensors = self.produced = None
 
 
-def _flat(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat(v)]
-    return []
+_NUMBER_TENSOR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
-def _allocate(spec: Any, device: torch.device) -> Any:
-    if isinstance(spec, list):
-        return [_allocate(s, device) for s in spec]
-    shape, stride, dtype = spec
-    return fast.empty_strided(shape, stride, dtype, device.index)
+def _materialized(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value._is_zerotensor():
+        return torch.zeros(value.shape, dtype=value.dtype, device=value.device)
+    return value
+
+
+def _call(func: Any, info: OpInfo, args: tuple, kwargs: dict, tensors: list[torch.Tensor] = ()) -> Any:
+    """Runs an op the queue passes through, working around what any dispatch mode meets in
+    PyTorch's ZeroTensor handling (efficient zero tensors, as some CPU gradients are):
+    - a ZeroTensor reaches a mode as a tensor with no memory, and calling the op on it from the
+      mode reads a null pointer: it is passed as real zeros;
+    - a wrapped-number tensor reaches a mode as a Python number, which an op refuses where it
+      takes `self` (the ZeroTensor decompositions call `expand(1, size)`): such a call is retried
+      with the numbers as 0-d tensors."""
+    if any(t._is_zerotensor() for t in tensors):
+        args, kwargs = pytree.tree_map(_materialized, (args, kwargs))
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        numbers = [i for i in info.tensor_positions if i < len(args) and type(args[i]) in _NUMBER_TENSOR_DTYPES]
+        if not numbers:
+            raise
+    args = tuple(torch.tensor(a, dtype=_NUMBER_TENSOR_DTYPES[type(a)]) if i in numbers else a
+                 for i, a in enumerate(args))
+    return func(*args, **kwargs)
 
 
 class AdaptiveMode(TorchDispatchMode):
@@ -161,13 +179,20 @@ class AdaptiveMode(TorchDispatchMode):
         if info.inplace:
             result = args[0] if func._schema.returns else None
             outs: list = []
+            via_out = False
         else:
-            specs = output_specs(func, (id(func), signature), args, kwargs)
-            if specs is UNQUEUEABLE:
+            key = (id(func), signature)
+            plan = known_output_plan(key)
+            if plan is None:  # first seen with this signature: runs now, and shows how to queue it
+                result = self._run_now(func, args, kwargs)
+                learn_output_plan(func, info, key, args, kwargs, result)
+                return result
+            if plan is UNQUEUEABLE:
                 return self._run_now(func, args, kwargs)
-            outs = [_allocate(spec, device) for spec in specs]
+            outs = [allocate(spec, device) for spec in plan.specs]
             result = outs[0] if len(outs) == 1 else tuple(outs)
-        entry = Entry(func, info, args, kwargs, outs, result, tensors, signature, floats)
+            via_out = plan.via_out
+        entry = Entry(func, info, args, kwargs, outs, result, tensors, signature, floats, via_out=via_out)
         self.entries.append(entry)
         for tensor in entry.produced:
             self._track(tensor)
@@ -210,11 +235,11 @@ class AdaptiveMode(TorchDispatchMode):
         if not tensors:
             if info.random:
                 return self._run_now(func, args, kwargs)
-            return func(*args, **kwargs)  # a factory: reads no device data, writes fresh memory
+            return _call(func, info, args, kwargs)  # a factory: reads no device data, writes fresh memory
         if placement != ALL_NEURON:  # some tensor is on another device or of a tensor subclass
             if placement == SOME_NEURON:
                 return self._run_now(func, args, kwargs)
-            return func(*args, **kwargs)  # host-only work never touches queued buffers
+            return _call(func, info, args, kwargs, tensors)  # host-only work never touches queued buffers
         if info.kind == VIEW:
             return self._record_view(func, args, kwargs, tensors, signature, floats)
         if info.kind == ALLOCATE:

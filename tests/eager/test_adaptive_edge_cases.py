@@ -1,0 +1,109 @@
+"""Adaptive eager on the edge cases that once broke it: ops whose meta kernel or out= variant
+disagrees with the device kernel, undefined outputs, runs that clone an input and then mutate
+it, bfloat16 rounding inside fused runs, and host-only ZeroTensors under the global mode."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchneuron.eager as eager
+
+
+def repeat(fn, times=4):
+    """fn's results over several calls: learnt, queued once, compiled, served fused."""
+    return [fn() for _ in range(times)]
+
+
+def assert_same_as_eager(fn, times=4, **tolerance):
+    eager.set_eager_mode("eager")
+    want = repeat(fn, times)
+    eager.set_eager_mode("adaptive")
+    got = repeat(fn, times)
+    eager.set_eager_mode("eager")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **(tolerance or dict(atol=0, rtol=0)))
+
+
+def test_outputs_the_meta_kernel_mispredicts_are_not_queued(adaptive):
+    """bfloat16 layer norm: the meta kernel says float32 statistics, the device kernel returns
+    bfloat16. The op runs unqueued, and the results are eager's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g).bfloat16().to("neuron")
+
+    def fn():
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x * 1, (8,), None, None, 1e-5)
+        return [t.cpu() for t in (out, mean, rstd)]
+
+    assert_same_as_eager(fn)
+    assert [t.dtype for t in fn()] == [torch.bfloat16] * 3
+
+
+def test_an_out_variant_that_differs_is_not_used(adaptive):
+    """binary_cross_entropy.out resizes a 0-d `out`: the queued op runs functionally instead."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.rand(5, generator=g).to("neuron"), torch.rand(5, generator=g).to("neuron")
+    assert_same_as_eager(lambda: F.binary_cross_entropy(x * 1, t).cpu())
+
+
+def test_undefined_outputs_of_a_masked_backward(adaptive):
+    """convolution_backward with an output mask returns no input gradient."""
+    def fn():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 3).to("neuron")
+        conv(torch.ones(2, 3, 8, 8, device="neuron")).square().sum().backward()
+        return [conv.weight.grad.cpu(), conv.bias.grad.cpu()]
+
+    assert_same_as_eager(fn, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_run_that_clones_an_input_then_mutates_it(adaptive):
+    """What autograd issues for an in-place op whose backward needs the original: the clone
+    keeps the old values once the run is fused."""
+    base = torch.tensor([-2.0, 3.0, -1.0, 4.0]).to("neuron")
+    for _ in range(4):
+        t = base.clone()
+        eager.flush()                  # t is an input of the next run
+        original = t.clone()
+        t.clamp_min_(0)
+        assert original.cpu().tolist() == [-2.0, 3.0, -1.0, 4.0]
+        assert t.cpu().tolist() == [0.0, 3.0, 0.0, 4.0]
+    assert eager.stats()["fused_runs"] >= 1
+
+
+def test_a_swap_through_clones_runs_correctly(adaptive):
+    """Two inputs exchanging values through a clone have no safe fused write-back order: the
+    run is not fused, and the values are still swapped."""
+    for _ in range(4):
+        a, b = torch.zeros(3, device="neuron"), torch.ones(3, device="neuron")
+        eager.flush()
+        saved = a.clone()
+        a.copy_(b)
+        b.copy_(saved)
+        del saved
+        assert a.cpu().tolist() == [1.0] * 3 and b.cpu().tolist() == [0.0] * 3
+
+
+def test_fused_bfloat16_chains_round_like_eager(adaptive):
+    torch.manual_seed(0)
+    gate, up = torch.nn.Linear(16, 48).to("neuron"), torch.nn.Linear(16, 48).to("neuron")
+    x = torch.randn(8, 16).to("neuron")
+
+    def fn():
+        with torch.autocast("neuron", dtype=torch.bfloat16):
+            return (F.silu(gate(x)) * up(x) * 0.5).cpu()
+
+    assert_same_as_eager(fn)
+    assert eager.stats()["fused_runs"] >= 1
+
+
+@pytest.mark.parametrize("op", ["isclose", "add", "mul"])
+def test_host_zero_tensors_under_the_mode(adaptive, op):
+    """CPU gradients can be efficient zero tensors; CPU code keeps working on them while the
+    (process-wide) mode is on."""
+    x = torch.randn(4, requires_grad=True)
+    (z,) = torch.autograd.grad(torch.sgn(x).sum(), x)
+    assert z._is_zerotensor()
+    result = {"isclose": lambda: torch.isclose(torch.zeros(4), z), "add": lambda: z + 1,
+              "mul": lambda: z * torch.ones(4)}[op]()
+    eager.set_eager_mode("eager")
+    want = {"isclose": torch.ones(4, dtype=torch.bool), "add": torch.ones(4), "mul": torch.zeros(4)}[op]
+    assert torch.equal(result, want)
