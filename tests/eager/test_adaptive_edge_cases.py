@@ -107,3 +107,21 @@ def test_host_zero_tensors_under_the_mode(adaptive, op):
     eager.set_eager_mode("eager")
     want = {"isclose": torch.ones(4, dtype=torch.bool), "add": torch.ones(4), "mul": torch.zeros(4)}[op]
     assert torch.equal(result, want)
+
+
+def test_running_statistics_an_op_updates_without_declaring_it(adaptive):
+    """native_batch_norm writes its running statistics though its schema does not say so:
+    learning how to queue it must not update them a second time."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(6).to("neuron")
+
+    def fn():
+        bn(torch.arange(24.0, device="neuron").view(4, 6).sin() * 3)
+        return [bn.running_mean.cpu(), bn.running_var.cpu()]
+
+    eager.set_eager_mode("eager")
+    want = repeat(fn)
+    bn.reset_running_stats()
+    eager.set_eager_mode("adaptive")
+    got = repeat(fn)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from torchneuron.hardware.model import classify
 from torchneuron.ops import policy
@@ -241,7 +242,9 @@ def _spec(t: torch.Tensor) -> OutputSpec:
 
 
 def _out_variant_reproduces(info: OpInfo, specs: list, args: tuple, kwargs: dict, result: Any) -> bool:
-    """Runs the out= variant into fresh buffers (off the device timeline) and compares."""
+    """Runs the out= variant into fresh buffers (off the device timeline) and compares. It runs on
+    copies of the arguments: some ops write arguments their schema does not mark as written
+    (native_batch_norm's running statistics)."""
     from torchneuron.eager.recording import worklog_paused
     from torchneuron.runtime import host_view
 
@@ -250,6 +253,7 @@ def _out_variant_reproduces(info: OpInfo, specs: list, args: tuple, kwargs: dict
     try:
         with worklog_paused(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
             info.out_overload(*args, **kwargs, **dict(zip(info.out_names, outs)))
     except Exception:
         return False
