@@ -172,7 +172,7 @@ def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
     assert profile["dma"]["kind"].tolist() == ["nki"]
     coll = profile["collectives"]
     assert coll["overlapped_us"].tolist() == pytest.approx([10.0, 0.0], abs=1e-6)  # microseconds
-    assert coll["exposed_us"].tolist() == pytest.approx([0.0, 5.0])
+    assert coll["exposed_us"].tolist() == pytest.approx([0.0, 5.0], abs=1e-6)  # clocks far from 0 round off
     summary = profile["summary"].iloc[0]
     assert summary["collective_exposed_us"] == pytest.approx(5.0) and summary["busy_us"] == pytest.approx(15.0)
     analysis = analyse(profile)
