@@ -4,7 +4,9 @@ Every aten op reaches `AdaptiveMode.__torch_dispatch__` below autograd. Ops on n
 are handled by their `OpInfo` (ops.py):
 
 - a queued op gets its outputs now, as real device buffers shaped by meta kernels, and waits;
-  storage identity, views, aliasing and autograd therefore stay exactly eager's;
+  storage identity, views, aliasing and autograd therefore stay exactly eager's. The first
+  time an op is seen with an argument signature it runs unqueued instead, and shows whether
+  its meta kernel and out= variant reproduce it (ops.learn_output_plan);
 - a view op runs now (it reads no data); a view of a queued result is also recorded, so a
   fused kernel can compute through it;
 - an op that only allocates (`empty_like`, a factory) runs now: it reads no device data;
@@ -13,9 +15,11 @@ are handled by their `OpInfo` (ops.py):
 
 A queued op whose argument aliases a pending result it does not track (a tensor autograd
 saved, say) flushes first, and so does one issued on another stream or device than the queued
-ops (a flush runs them on the stream they were issued on). The queue also flushes when it is long, when the mode is turned
-off, and under `torch.use_deterministic_algorithms(True)` every op runs unqueued. A flush
-hands the entries to fusion.py, which runs them in order, fused where it pays.
+ops (a flush runs them on the stream they were issued on). The queue also flushes when it is
+long and when the mode is turned off; under `torch.use_deterministic_algorithms(True)` every op
+runs unqueued. A flush hands the entries to fusion.py, which runs them in order, fused where it
+pays, below autograd as they were queued. Host-only ops pass through (see `_call` for the
+ZeroTensor cases a dispatch mode must work around).
 """
 from __future__ import annotations
 
