@@ -106,9 +106,9 @@ def _call(func: Any, info: OpInfo, args: tuple, kwargs: dict, tensors: list[torc
         args, kwargs = pytree.tree_map(_materialized, (args, kwargs))
     try:
         return func(*args, **kwargs)
-    except RuntimeError:
+    except RuntimeError as error:  # the argument parser's refusal: nothing ran
         numbers = [i for i in info.tensor_positions if i < len(args) and type(args[i]) in _NUMBER_TENSOR_DTYPES]
-        if not numbers:
+        if not numbers or "Expected a value of type 'Tensor'" not in str(error):
             raise
     args = tuple(torch.tensor(a, dtype=_NUMBER_TENSOR_DTYPES[type(a)]) if i in numbers else a
                  for i, a in enumerate(args))
