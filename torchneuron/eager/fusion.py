@@ -160,7 +160,6 @@ class _Key:
         return isinstance(other, _Key) and self.hash == other.hash and self.value == other.value
 
 
-
 def live_mask(outputs: list[torch.Tensor]) -> tuple[bool, ...]:
     """Which output buffers may still be read: referenced from Python beyond `outputs` itself,
     held by C++ (autograd, a view's base) or sharing their storage (views, saved tensors)."""
