@@ -64,3 +64,21 @@ def test_random_ops_draw_the_same_numbers_as_eager(fresh_dynamo):
     torch.testing.assert_close(got, want)
     torch.manual_seed(124)
     assert not torch.equal(compiled(x).cpu(), want.cpu())
+
+
+def test_rng_state_functions_inside_a_compiled_region_run_eagerly(fresh_dynamo):
+    """torch.neuron's RNG state functions graph-break like torch.cuda's, so code saving and
+    restoring the generator around random ops (torch.testing's freeze_rng_state) compiles."""
+    from torch.testing._utils import freeze_rng_state
+
+    def fill(x):
+        with freeze_rng_state():
+            torch.manual_seed(42)
+            return x.uniform_(0.0, 1.0)
+
+    torch.manual_seed(7)
+    state = torch.neuron.get_rng_state()
+    got = torch.compile(fill, backend="neuron", dynamic=False)(torch.zeros(3, 4, device="neuron"))
+    assert torch.equal(torch.neuron.get_rng_state(), state)   # restored on the way out
+    want = fill(torch.zeros(3, 4, device="neuron"))
+    assert torch.equal(got.cpu(), want.cpu())

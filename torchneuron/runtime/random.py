@@ -2,6 +2,10 @@
 
 Each device's default generator drives an mt19937 engine like the CPU's, so the same seed gives
 the same numbers on neuron as on the CPU.
+
+Dynamo never traces these functions (it treats torch.cuda's the same way, as torch code): called
+from a compiled region, as `torch.testing`'s freeze_rng_state does, they graph-break and run
+eagerly. Tracing into them compiled `set_rng_state` inside no_dispatch() and failed.
 """
 from __future__ import annotations
 
@@ -19,40 +23,49 @@ def _as_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
+@torch._disable_dynamo  # lazy: importing torchneuron must not import Dynamo
 def manual_seed(seed: int, device: Any = None) -> None:
     ops().manual_seed(device_index(device), _as_int64(seed))
 
 
+@torch._disable_dynamo
 def manual_seed_all(seed: int) -> None:
     for index in range(device_count()):
         ops().manual_seed(index, _as_int64(seed))
 
 
+@torch._disable_dynamo
 def seed() -> None:
     ops().seed(device_index(None))
 
 
+@torch._disable_dynamo
 def seed_all() -> None:
     for index in range(device_count()):
         ops().seed(index)
 
 
+@torch._disable_dynamo
 def initial_seed() -> int:
     return int(ops().initial_seed(device_index(None))) & 0xFFFF_FFFF_FFFF_FFFF
 
 
+@torch._disable_dynamo
 def get_rng_state(device: Any = "neuron") -> torch.Tensor:
     return ops().get_rng_state(device_index(device))
 
 
+@torch._disable_dynamo
 def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
     ops().set_rng_state(device_index(device), new_state.cpu())
 
 
+@torch._disable_dynamo
 def get_rng_state_all() -> list[torch.Tensor]:
     return [ops().get_rng_state(i) for i in range(device_count())]
 
 
+@torch._disable_dynamo
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     for index, state in enumerate(new_states):
         ops().set_rng_state(index, state.cpu())
