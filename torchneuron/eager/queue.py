@@ -133,7 +133,7 @@ class AdaptiveMode(TorchDispatchMode):
     # ---- the queue ---------------------------------------------------------------------------
     def _aliases_untracked(self, tensor: torch.Tensor) -> bool:
         """A tensor sharing memory with a pending buffer, but not one the queue tracks."""
-        if not self.starts or id(tensor) in self.pending or tensor.numel() == 0:
+        if not self.starts or id(tensor) in self.pending or tensor.numel() == 0:  # (cheap tests first)
             return False
         address = tensor.data_ptr()
         i = bisect.bisect_right(self.starts, address) - 1
@@ -252,6 +252,10 @@ class AdaptiveMode(TorchDispatchMode):
             return self._run_now(func, args, kwargs)
         if func is TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "neuron":
             return self._run_now(func, args, kwargs)
-        if any(self._aliases_untracked(t) for t in tensors):
-            self.flush()
+        if self.starts:
+            pending = self.pending
+            for tensor in tensors:
+                if id(tensor) not in pending and self._aliases_untracked(tensor):
+                    self.flush()
+                    break
         return self._enqueue(func, info, args, kwargs, tensors, signature, floats)
