@@ -41,7 +41,9 @@ from torchneuron.hardware.model import classify
 MAX_OPS = 64
 INLINE_META_KEY = "torchneuron_inline_constant"
 COPY_ = torch.ops.aten.copy_.default
-POINTWISE = frozenset({"elementwise", "transcendental", "copy", "fill", "iota"})
+# (a foreach op is pointwise over each tensor of its lists: chains of them, an optimizer step, are
+# one multi-tensor kernel)
+POINTWISE = frozenset({"elementwise", "transcendental", "copy", "fill", "iota", "foreach", "foreach_transcendental"})
 REDUCTION = frozenset({"reduction", "softmax", "softmax_backward", "norm", "norm_backward", "scan"})
 MATMUL = frozenset({"matmul"})
 # Ops the NeuronCore runs as kernels from the NKI library, and the aten op each is priced as.
@@ -129,6 +131,17 @@ class _Grouper:
             return False
         return not any(other is not group and self.reaches(group, other) for other in others)
 
+    def siblings(self, node: Node, inputs: list[Node], producers: list[Group]) -> list[Group]:
+        """Kernels of earlier readers of `node`'s inputs (by their data, through views)."""
+        found: dict[Group, None] = {}
+        for arg in inputs:
+            base = _base(arg)
+            for reader in _consumers(base):
+                group = self.group_of.get(reader)
+                if group is not None and group not in producers and reader is not node:
+                    found[group] = None
+        return list(found)
+
     def add(self, node: Node) -> None:
         inputs = [a for a in tree_leaves((node.args, node.kwargs)) if isinstance(a, Node)]
         if is_transparent(node):
@@ -156,7 +169,10 @@ class _Grouper:
                 chosen = self.nki_calls[call] = Group(len(self.groups), placement, "opaque", open=False)
                 self.groups.append(chosen)
         elif node_role in ("pointwise", "reduction"):
-            for group in sorted(producers, key=lambda g: -g.size):
+            # a producer's kernel first; else a sibling's (another reader of the same data: the
+            # statistics of a norm's backward are reductions of one input, read in one pass)
+            candidates = sorted(producers, key=lambda g: -g.size) + self.siblings(node, inputs, producers)
+            for group in candidates:
                 if self.can_join(group, node, node_role, size, producers):
                     chosen = group
                     break
