@@ -77,12 +77,12 @@ def test_host_reads_flush_the_queue(adaptive, capsys):
         v = w * 0
         yield v
         assert host_view(v).sum().item() == 0
-        assert not adaptive._mode.entries
+        assert not adaptive.pending()
 
     for _ in steps():  # the first time, each op runs unqueued and shows how to queue it
         pass
     for _ in steps():  # then every op before a host read is still queued when the read comes
-        assert adaptive._mode.entries
+        assert adaptive.pending()
 
 
 def test_random_numbers_and_dropout_match_eager(adaptive):
@@ -157,13 +157,13 @@ def test_training_loop_matches_eager_compiles_once_and_dispatches_fewer_kernels(
     base = MLP()
     eager.set_eager_mode("eager")
     reference = copy.deepcopy(base).to("neuron")
-    want, ref_opt = _train(reference, 4)
+    want, ref_opt = _train(reference, 5)
     with estimate() as eager_step:
         _train_step(reference, ref_opt)
 
     eager.set_eager_mode("adaptive")
     model = copy.deepcopy(base).to("neuron")
-    got, opt = _train(model, 4)
+    got, opt = _train(model, 5)
     compiles = adaptive.stats()["compiles"]
     with estimate() as adaptive_step:
         _train_step(model, opt)
@@ -217,11 +217,12 @@ def test_events_time_queued_work():
 def test_flush_from_user_code_runs_ops_as_they_were_queued(adaptive):
     """Ops queued below autograd (an optimizer's in-place update of a leaf) run at an explicit
     flush without entering autograd again: no error, no grad_fn, one version bump."""
-    w = torch.ones(4, device="neuron", requires_grad=True)
-    with torch.no_grad():
-        w.mul_(3).add_(1)
+    for _ in range(2):  # the first time, each op runs unqueued (it shows how to queue it)
+        w = torch.ones(4, device="neuron", requires_grad=True)
+        with torch.no_grad():
+            w.mul_(3).add_(1)
     version = w._version
-    assert adaptive._mode.entries
+    assert adaptive.pending()
     adaptive.flush()
     assert w.grad_fn is None and w.is_leaf and w._version == version
     assert torch.equal(w.detach().cpu(), torch.full((4,), 4.0))

@@ -125,3 +125,40 @@ def test_running_statistics_an_op_updates_without_declaring_it(adaptive):
     eager.set_eager_mode("adaptive")
     got = repeat(fn)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+# ---- found when the queue moved into the device's fallback (C++) ----
+
+def test_in_place_view_ops_run_after_the_queued_work_they_reshape(adaptive):
+    """unsqueeze_ changes a tensor's geometry without reaching the fallback's op path: queued ops
+    recorded against the old geometry must run first (quantile, group norm, bilinear did this)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, generator=g).to("neuron")
+
+    def fn():
+        r = (x * 2).sum()            # a 0-d result, queued
+        r.masked_fill_(r > 100, 0)   # in place on it, queued
+        r.unsqueeze_(0)              # now 1-d
+        return (r + torch.ones(1, device="neuron")).cpu()
+
+    assert_same_as_eager(fn)
+
+
+def test_out_variants_whose_float_arguments_shape_their_output(adaptive):
+    """arange reaches the device as arange.start_out into an empty tensor; with float bounds,
+    one signature has many output lengths (mvlgamma's samples), so it is not queued by shape."""
+    def fn():
+        return [torch.arange(0.5, n, 0.5, device="neuron").cpu() for n in (1.0, 3.0, 2.0)]
+
+    assert_same_as_eager(fn)
+
+
+def test_wrapped_numbers_replayed_by_the_python_side(adaptive):
+    """x % 3 reaches the device as remainder.Tensor with a wrapped number; a run the Python side
+    runs op by op must call the Scalar overload (take_along_dim's bfloat16 samples)."""
+    x = torch.arange(12, device="neuron").view(3, 4)
+
+    def fn():
+        return ((x % 3) * 2 + 1).cpu()
+
+    assert_same_as_eager(fn, times=6)

@@ -272,7 +272,7 @@ class Block(nn.Module):
         return self.fc2(F.silu(self.norm(self.fc1(x))) * 1.5)
 
 
-def _train_autocast(model, device, steps=4):
+def _train_autocast(model, device, steps=6):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, outputs = [], []
     for step in range(steps):
@@ -352,7 +352,7 @@ def _train_with_host_reads(model, device, steps=4):
         x, y = _batch(step, (8, 16), device, classes=4)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        pending.append(len(eager._mode.entries) if eager._mode is not None else 0)
+        pending.append(eager.pending())
         read.append(loss.item())                              # host read between backward and step
         grad_norm = model.fc1.weight.grad.norm()
         print(f"step {step}: loss {read[-1]:.6f} grad norm {grad_norm:.6f}")   # formats a pending tensor
@@ -465,7 +465,7 @@ def test_activation_checkpointing_with_dropout():
 # Double backward (a gradient penalty) and scatter-style aggregation
 # ---------------------------------------------------------------------------------------------
 
-def _train_gradient_penalty(model, device, steps=4):
+def _train_gradient_penalty(model, device, steps=6):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses, penalties = [], []
     for step in range(steps):
@@ -501,7 +501,7 @@ class MessagePassing(nn.Module):
         return self.out(F.relu(agg + x))
 
 
-def _train_message_passing(model, device, steps=4):
+def _train_message_passing(model, device, steps=6):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):

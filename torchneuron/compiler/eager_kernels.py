@@ -2,9 +2,10 @@
 
 `compile_replay(replay, example_inputs, n_inputs)` traces the run's replay function
 (torchneuron.eager.fusion; its first `n_inputs` tensors are the run's inputs, the rest the output
-buffers it writes) to a functional ATen graph in the compiler's core op set (mutations of inputs
-and output buffers become copies at its end) and compiles it with Inductor's per-graph compiler,
-so the device pipeline (passes, partition, fusion, kernel plan) and code generation are the
+buffers it writes) to an ATen graph in the compiler's core op set without mutations (mutations of
+inputs and output buffers become copies at its end; views stay views: traced as view copies, a
+program's `as_strided` views of values it mutated computed wrong results) and compiles it with
+Inductor's per-graph compiler, so the device pipeline (passes, partition, fusion, kernel plan) and code generation are the
 ones `torch.compile` uses, and the fused program charges its kernels to the device timeline.
 The result is called as `runner(list_of_tensors)`.
 """
@@ -39,7 +40,7 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
             replay(*tensors)
             return ()  # Inductor compiles graphs returning a tuple; the results are the writes
 
-        gm = make_fx(functionalize(program, remove="mutations_and_views"), decomposition_table=core_decompositions(),
+        gm = make_fx(functionalize(program, remove="mutations"), decomposition_table=core_decompositions(),
                      tracing_mode="fake")(*example_inputs)
         write_inputs_last(gm, n_inputs)
         # Compile against the trace's fake tensors: the compiled program must not keep the run's

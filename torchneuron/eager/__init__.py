@@ -9,9 +9,11 @@ plain eager's; reading data on the host (`item`, `.cpu()`, printing), an NKI ker
 collective or any op that cannot wait flushes the queue first, and so do `flush()` and the
 device timeline's readers. Off under `torch.use_deterministic_algorithms(True)`.
 
-The mode is installed on the thread that enables it (the thread autograd's backward runs on,
-as the runtime keeps autograd single-threaded). Fused kernels are compiled by the function
-registered with `set_kernel_compiler` (the compiler package registers Inductor's).
+The queue is C++, inside the device's fallback (runtime/csrc/queue.cpp: about a microsecond
+per op); queue.py and fusion.py are its Python side, called once per new op and once per new
+sequence of queued ops. The mode is on for the thread that enables it (the thread autograd's
+backward runs on, as the runtime keeps autograd single-threaded). Fused kernels are compiled by
+the function registered with `set_kernel_compiler` (the compiler package registers Inductor's).
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ import os
 from typing import Any, Iterator
 
 from torchneuron.eager.fusion import Executor, KernelCompiler
+from torchneuron.eager.queue import classify, flush_records
+from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
-__all__ = ["flush", "get_eager_mode", "set_eager_mode", "set_kernel_compiler", "stats", "suspended"]
+__all__ = ["flush", "get_eager_mode", "pending", "set_eager_mode", "set_kernel_compiler", "stats", "suspended"]
 
 MODES = ("eager", "adaptive")
 _executor = Executor()
-_mode: Any = None  # the installed queue.AdaptiveMode, if any
+_enabled = False
+_planned_for: Executor | None = None  # the executor the C++ queue's cached plans call into
 
 
 def set_kernel_compiler(compiler: KernelCompiler | None) -> None:
@@ -37,94 +42,89 @@ def set_kernel_compiler(compiler: KernelCompiler | None) -> None:
 
 def set_eager_mode(mode: str) -> None:
     """"adaptive" queues and fuses eager ops on neuron tensors; "eager" runs them one by one."""
-    global _mode
+    global _enabled, _planned_for
     if mode not in MODES:
         raise ValueError(f"unknown eager mode {mode!r}; expected one of {', '.join(MODES)}")
-    if mode == "adaptive" and _mode is None:
-        from torchneuron.eager.queue import AdaptiveMode
-
-        _mode = AdaptiveMode(_executor)
-        _mode.__enter__()
-        _register_flush_hook()
-        _set_runtime_flush_hook(True)
+    if mode == "adaptive" and not _enabled:
+        _install_hooks()
+        if _planned_for is not _executor:  # plans call into an executor's kernels
+            fast.adaptive_forget_plans()
+            _planned_for = _executor
+        fast.adaptive_enable(True)
+        _enabled = True
         _flush_before_printing(True)
-    elif mode == "eager" and _mode is not None:
-        _mode.flush()
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if _get_current_dispatch_mode() is not _mode:
-            raise RuntimeError("set_eager_mode('eager'): another TorchDispatchMode was entered after adaptive "
-                               "mode and is still active; exit it first.")
-        _mode.__exit__(None, None, None)
-        _mode = None
+    elif mode == "eager" and _enabled:
+        fast.adaptive_enable(False)  # flushes first
+        _enabled = False
         _flush_before_printing(False)
-        _set_runtime_flush_hook(False)
 
 
 def get_eager_mode() -> str:
-    return "adaptive" if _mode is not None else "eager"
+    return "adaptive" if _enabled else "eager"
 
 
 def flush() -> None:
     """Runs every queued op now (a no-op in eager mode)."""
-    if _mode is not None:
-        _mode.flush()
+    if _enabled:
+        fast.adaptive_flush()
+
+
+def pending() -> int:
+    """How many ops (and views of queued results) wait in the queue."""
+    return fast.adaptive_pending() if _enabled else 0
 
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """Flushes the queue and lets ops run unqueued inside (for code reading device memory
     directly, such as compiled graphs)."""
-    mode = _mode
-    if mode is None or mode.flushing:
+    if not _enabled:
         yield
         return
-    mode.flush()
-    mode.flushing = True
+    prior = fast.adaptive_suspend(True)
     try:
         yield
     finally:
-        mode.flushing = False
+        fast.adaptive_suspend(prior)
 
 
 def stats() -> dict[str, int]:
-    """Counters: ops queued and unqueued, flushes, fused runs and ops, eager ops, compiles."""
+    """Counters: ops queued and unqueued, flushes (and how many a cached plan ran), fused runs and
+    ops, eager ops, compiles."""
     result = dict(_executor.stats)
-    if _mode is not None:
-        result.update(_mode.stats)
+    for name, value in fast.adaptive_stats().items():
+        result[name] = result.get(name, 0) + value
     return result
 
 
-def _flush_and_drain() -> None:
-    if _mode is not None and _mode.entries:
-        from torchneuron.runtime.worklog import drain
-
-        _mode.flush()
-        drain()
+def _flush_records(records: list) -> tuple[list, bool]:
+    return flush_records(_executor, records)
 
 
-def _register_flush_hook() -> None:
-    """Readers of the device timeline (estimate(), elapsed times) flush the queue first."""
+_hooks_installed = False
+
+
+def _install_hooks() -> None:
+    """The C++ queue's Python side, and readers of the device timeline (estimate(), elapsed times)
+    flush the queue first."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    fast.adaptive_set_callbacks(classify, _flush_records)
     from torchneuron.hardware import timeline
 
     add = getattr(timeline, "add_pending_source", None)
     if add is not None:
         add(_flush_and_drain)
+    _hooks_installed = True
 
 
-_runtime_hook_library: Any = None
+def _flush_and_drain() -> None:
+    if _enabled and fast.adaptive_pending():
+        from torchneuron.runtime.worklog import drain
 
-
-def _set_runtime_flush_hook(on: bool) -> None:
-    """Events, waits and synchronisations (C++ device guard) flush the queue first, so queued work
-    is timed before them."""
-    global _runtime_hook_library
-    import torch
-
-    if on and _runtime_hook_library is None:
-        _runtime_hook_library = torch.library.Library("torchneuron", "IMPL")
-        _runtime_hook_library.impl("_flush_queued_work", flush, "CompositeExplicitAutograd")
-    torch.ops.torchneuron.set_flush_hook(on)
+        flush()
+        drain()
 
 
 _original_str: Any = None

@@ -1,6 +1,8 @@
 """Fusion of queued ops and the fused-kernel cache of adaptive eager mode.
 
-At a flush, `Executor.run(entries)` walks the queue in order. Heuristics:
+At a flush the C++ queue has no plan for, `Executor.run(entries)` walks the queue in order and
+returns the plan it followed (which stretches ran fused, through which kernel's entry point, and
+which eagerly); the queue replays a final plan itself when the same queue comes back. Heuristics:
 
 - a *run* is a maximal sequence of fusible ops (pointwise, reductions, norms, matmuls,
   gathers, optimizer updates; ops.FUSIBLE_CATEGORIES) with the views recorded between them;
@@ -11,8 +13,8 @@ At a flush, `Executor.run(entries)` walks the queue in order. Heuristics:
 - a run is compiled into one fused program the second time its key and floats are seen (a
   sequence seen once costs no compilation) and served from the cache afterwards;
 - when a key comes back with different floats (a learning-rate schedule, bias corrections),
-  the ops whose floats changed leave the run and run eagerly, so the rest still fuses and a
-  training loop pays each compilation once;
+  the ops whose floats changed leave the run and run eagerly, so the rest still fuses (compiled
+  at once: the run was seen before) and a training loop pays each compilation once;
 - a run shorter than `MIN_OPS` ops, or one whose compilation failed, runs eagerly.
 
 A fused program receives the run's external inputs and the output buffers that are still
@@ -51,6 +53,7 @@ class _Kernel:
     program: Any = None                                          # _Steps, once compiled
     runners: dict[tuple, Runner] = field(default_factory=dict)   # live-output mask -> program
     failed: bool = False
+    entry_point: Any = None     # entry_point(mask, tensors): runs the program (what C++ plans call)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class _Sequence:
     """What is known of one run key: the floats of its last sighting and a kernel per floats."""
 
     last_floats: tuple | None = None
+    sightings: int = 0
     kernels: dict[tuple, _Kernel] = field(default_factory=dict)
 
 
@@ -132,6 +136,9 @@ def describe(entries: list[Entry]) -> _Run:
         if entry.info is not None and entry.info.inplace:
             written = len(flat_tensors(entry.args[0]))
             mutated.update(r for r in refs[:written] if type(r) is int)
+        elif entry.info is not None and entry.info.writes_out:  # out= arguments are keywords: the last tensors
+            written = len(flat_tensors([entry.kwargs[name] for name in entry.info.out_names]))
+            mutated.update(r for r in refs[len(refs) - written:] if type(r) is int)
         parts.append((id(entry.func), entry.signature, tuple(refs)))  # ops are process-lived singletons
         floats.extend(entry.floats)
         positions.extend([position] * len(entry.floats))
@@ -281,10 +288,17 @@ class Executor:
         # dispatch layers above are excluded; compiling needs them back (as when this was created).
         self.dispatch_keys = (torch._C._dispatch_tls_local_include_set(),
                               torch._C._dispatch_tls_local_exclude_set())
+        self.actions: list[tuple] = []   # the plan the current run() follows
+        self.final = True
         self.stats = {"fused_runs": 0, "fused_ops": 0, "eager_ops": 0, "compiles": 0, "compile_failures": 0,
                       "outputs_written": 0, "outputs_skipped": 0}
 
-    def run(self, entries: list[Entry]) -> None:
+    def run(self, entries: list[Entry]) -> tuple[list[tuple], bool]:
+        """Runs a flushed queue (entries numbered by `index` from 0); returns the plan it followed,
+        (begin, end, fused entry point or None, inputs, outputs) per stretch of entries, and
+        whether the plan is final (no run left eager only because it was not compiled yet)."""
+        self.actions = []
+        self.final = True
         start = 0
         for i, entry in enumerate(entries + [None]):
             if entry is not None and (entry.is_view or entry.info.fusible):
@@ -293,33 +307,40 @@ class Executor:
             if entry is not None:
                 self._eager([entry])
             start = i + 1
+        actions, self.actions = self.actions, []
+        return actions, self.final
 
-    def _run_segment(self, entries: list[Entry]) -> None:
+    def _run_segment(self, entries: list[Entry], seen: int = 0) -> None:
+        """Runs a stretch of fusible entries; `seen`: sightings of a run it was split from (a part
+        of a run seen often enough is compiled the first time it is seen as a part)."""
         if sum(not e.is_view for e in entries) < MIN_OPS or self.compiler is None:
+            self.final = self.final and self.compiler is not None
             self._eager(entries)
             return
         ops = tuple(id(e.func) for e in entries)  # ops are process-lived singletons
         volatile = self.volatile.get(ops)
         if volatile:  # known to split here: skip describing the whole run first
-            self._split(entries, volatile)
+            self._split(entries, volatile, seen=COMPILE_AFTER)
             return
         try:
             run = describe(entries)
         except _Untraceable as error:
-            self._split(entries, {error.position})
+            self._split(entries, {error.position}, seen)
             return
         sequence = self.sequences.get(run.key)
         if sequence is None:
             sequence = self.sequences[run.key] = _Sequence()
+        sequence.sightings += 1
         if self._note_floats(run, sequence, ops):
             del run  # it references every output: sub-runs must see only their own references
-            self._split(entries, self.volatile[ops])
+            self._split(entries, self.volatile[ops], seen=sequence.sightings)
             return
         kernel = sequence.kernels.get(run.floats)
         if kernel is None:
             kernel = sequence.kernels[run.floats] = _Kernel()
         kernel.sightings += 1
-        if kernel.failed or (kernel.program is None and kernel.sightings < COMPILE_AFTER):
+        if kernel.failed or (kernel.program is None and kernel.sightings + seen < COMPILE_AFTER):
+            self.final = self.final and kernel.failed
             self._eager(entries)
             return
         self._run_fused(kernel, run)
@@ -327,30 +348,39 @@ class Executor:
     def _run_fused(self, kernel: _Kernel, run: _Run) -> None:
         if kernel.program is None:
             kernel.program = program_steps(run)
+            floats = run.floats
+            kernel.entry_point = lambda mask, tensors: self._run_kernel(kernel, floats, mask, tensors)
         for entry in run.entries:   # the run's outputs list becomes the only reference the queue holds
             entry.release()
         mask = live_mask(run.outputs)
+        kernel.entry_point(mask, run.runtime_inputs + [t for t, alive in zip(run.outputs, mask) if alive])
+        self.actions.append((run.entries[0].index, run.entries[-1].index + 1, kernel.entry_point,
+                             run.runtime_inputs, run.outputs))
+
+    def _run_kernel(self, kernel: _Kernel, floats: tuple, mask: tuple[bool, ...], tensors: list[torch.Tensor]) -> None:
+        """Runs a kernel's program for one liveness of its outputs (compiled on first use): `tensors`
+        are the run's inputs, then its live output buffers."""
         runner = kernel.runners.get(mask)
         if runner is None:
-            runner = self._compile(kernel, run, mask)
-        live = [t for t, alive in zip(run.outputs, mask) if alive]
-        runner(run.runtime_inputs + live)
+            runner = self._compile(kernel, floats, mask, tensors)
+        live = sum(mask)
+        runner(tensors)
         computed = sum(not step[3] for step in kernel.program.steps)
         if kernel.failed:
             self.stats["eager_ops"] += computed
             return
         self.stats["fused_runs"] += 1
         self.stats["fused_ops"] += computed
-        self.stats["outputs_written"] += len(live)
-        self.stats["outputs_skipped"] += len(mask) - len(live)
+        self.stats["outputs_written"] += live
+        self.stats["outputs_skipped"] += len(mask) - live
 
-    def _split(self, entries: list[Entry], positions: set[int]) -> None:
+    def _split(self, entries: list[Entry], positions: set[int], seen: int = 0) -> None:
         start = 0
         for position in sorted(positions):
-            self._run_segment(entries[start:position])
+            self._run_segment(entries[start:position], seen)
             self._eager(entries[position:position + 1])
             start = position + 1
-        self._run_segment(entries[start:])
+        self._run_segment(entries[start:], seen)
 
     def _note_floats(self, run: _Run, sequence: _Sequence, ops: tuple[int, ...]) -> bool:
         """Whether the run's floats differ from its last sighting's; if so, the ops holding the
@@ -361,26 +391,26 @@ class Executor:
         self.volatile[ops] = {p for p, a, b in zip(run.float_positions, previous, run.floats) if a != b}
         return True
 
-    def _compile(self, kernel: _Kernel, run: _Run, mask: tuple[bool, ...]) -> Runner:
+    def _compile(self, kernel: _Kernel, floats: tuple, mask: tuple[bool, ...], tensors: list[torch.Tensor]) -> Runner:
         """The fused program for this liveness; if it cannot be compiled, the same replay run
         eagerly (the run's entries were released), and the kernel is not fused again."""
-        live = [t for t, alive in zip(run.outputs, mask) if alive]
-        replay = replay_program(kernel.program, mask, run.floats)
+        replay = replay_program(kernel.program, mask, floats)
         try:
             with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys):
-                runner = self.compiler(replay, run.runtime_inputs + live, len(run.runtime_inputs))
+                runner = self.compiler(replay, list(tensors), len(tensors) - sum(mask))
         except Exception as error:
             kernel.failed = True
             self.stats["compile_failures"] += 1
-            log.warning("adaptive eager: could not fuse %d ops (%s: %s); they run eagerly", len(run.entries),
+            log.warning("adaptive eager: could not fuse %d ops (%s: %s); they run eagerly", len(kernel.program.steps),
                         type(error).__name__, error, exc_info=log.isEnabledFor(logging.DEBUG))
-
-            return lambda tensors: replay(*tensors)
+            runner = lambda tensors: replay(*tensors)  # noqa: E731
         kernel.runners[mask] = runner
-        self.stats["compiles"] += 1
+        self.stats["compiles"] += not kernel.failed
         return runner
 
     def _eager(self, entries: list[Entry]) -> None:
+        if entries:
+            self.actions.append((entries[0].index, entries[-1].index + 1, None, None, None))
         for entry in entries:
             entry.run_eagerly()
         self.stats["eager_ops"] += sum(not e.is_view for e in entries)

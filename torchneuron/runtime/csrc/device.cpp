@@ -70,24 +70,9 @@ static double python_elapsed_ms(int64_t start_id, int64_t end_id) {
   return op.call(start_id, end_id);
 }
 
-// Work queued above the dispatcher (adaptive eager mode) must reach the work log before an event
-// or a synchronisation is logged, or it would be timed after them. Python sets the hook while such
-// a queue exists.
-static std::atomic<bool> g_flush_hook{false};
-thread_local bool tl_in_flush_hook = false;
-static void flush_queued_work() {
-  if (!g_flush_hook.load(std::memory_order_relaxed) || tl_in_flush_hook) return;
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_flush_queued_work", "");
-  if (!op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) return;
-  tl_in_flush_hook = true;
-  try {
-    op.typed<void()>().call();
-  } catch (...) {
-    tl_in_flush_hook = false;
-    throw;
-  }
-  tl_in_flush_hook = false;
-}
+// Work queued by adaptive eager mode must reach the work log before an event or a
+// synchronisation is logged, or it would be timed after them.
+static void flush_queued_work(const char* cause) { adaptive_flush(cause); }
 
 // ---------------------------------------------------------------------------------------------
 // Device guard
@@ -143,14 +128,14 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
     }
     TORCH_CHECK(ev->device == stream.device_index(), "Event was first recorded on neuron:", int(ev->device),
                 " and cannot be recorded on a stream of neuron:", int(stream.device_index()), ".");
-    flush_queued_work();
+    flush_queued_work("stream or event: record");
     ev->recorded = true;
     worklog_control(WorkKind::kEventRecord, stream.device_index(), stream.id(), ev->id);
   }
   void block(void* event, const Stream& stream) const override {
     auto* ev = static_cast<NeuronEvent*>(event);
     if (!ev || !ev->recorded) return;  // waiting on an unrecorded event is a no-op, as in CUDA
-    flush_queued_work();
+    flush_queued_work("stream or event: block");
     worklog_control(WorkKind::kEventWait, stream.device_index(), stream.id(), ev->id);
   }
   bool queryEvent(void* /*event*/) const override { return true; }  // host work is already done
@@ -159,16 +144,16 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
   }
   bool queryStream(const Stream&) const override { return true; }
   void synchronizeStream(const Stream& s) const override {
-    flush_queued_work();
+    flush_queued_work("stream or event: synchronizeStream");
     worklog_control(WorkKind::kSyncStream, s.device_index(), s.id(), 0);
   }
   void synchronizeEvent(void* event) const override {
     auto* ev = static_cast<NeuronEvent*>(event);
-    flush_queued_work();
+    flush_queued_work("stream or event: synchronizeEvent");
     if (ev && ev->recorded) worklog_control(WorkKind::kSyncEvent, ev->device, 0, ev->id);
   }
   void synchronizeDevice(const DeviceIndex device_index) const override {
-    flush_queued_work();
+    flush_queued_work("stream or event: synchronizeDevice");
     worklog_control(WorkKind::kSyncDevice, resolve(device_index), 0, 0);
   }
   void recordDataPtrOnStream(const c10::DataPtr&, const Stream&) const override {
@@ -349,8 +334,6 @@ TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("set_rng_state(int device, Tensor state) -> ()", torch::dispatch(c10::DispatchKey::CPU, &set_rng_state));
   m.def("device_count() -> int", [] { return static_cast<int64_t>(g_device_count); });
   m.def("current_stream_id(int device) -> int", &current_stream);
-  m.def("set_flush_hook(bool on) -> ()", [](bool on) { g_flush_hook = on; });
-  m.def("_flush_queued_work() -> ()");  // implemented by the layer that queues (torchneuron.eager)
   m.def("current_device() -> int", [] { return static_cast<int64_t>(tl_device); });
   m.def("set_device(int device) -> ()", [](int64_t d) {
     check_device_index(static_cast<DeviceIndex>(d));

@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/_unsafe_view_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
@@ -339,8 +340,91 @@ struct Alias {
   c10::StorageImpl* storage;
 };
 
+static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack);
+
 void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
   OpEntry& entry = entry_of(op);
+  if (C10_UNLIKELY(adaptive_active())) {
+    if (!entry.returns_view) {
+      if (adaptive_enqueue(op, entry.id, stack)) return;
+    } else {  // a view runs now; adaptive eager records it if it views queued memory
+      const size_t nargs = op.schema().arguments().size();
+      std::vector<IValue> args(stack->end() - nargs, stack->end());
+      op.redispatchBoxed(kCPUKeys, stack);
+      adaptive_note_view(op, entry.id, std::move(args), *stack, op.schema().returns().size());
+      return;
+    }
+  }
+  run_on_device(op, entry, stack);
+}
+
+// The view kernels registered directly (no boxing on the hot path), noting their views for
+// adaptive eager mode as the fallback does.
+struct DirectView {
+  c10::OperatorHandle handle;
+  int32_t id;
+  explicit DirectView(const char* name)
+      : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "")), id(op_id_of(handle)) {}
+};
+template <class... Args>
+static void note_direct_view(const DirectView& op, const Tensor& result, Args&&... args) {
+  std::vector<IValue> stack_args{IValue(std::forward<Args>(args))...};
+  Stack results{IValue(result)};
+  adaptive_note_view(op.handle, op.id, std::move(stack_args), results, 1);
+}
+// In-place view ops (squeeze_, t_, as_strided_, ...) change a tensor's geometry: adaptive eager's
+// queued ops must run first (they were recorded against the old one). The CPU kernel then sets the
+// geometry on the neuron TensorImpl itself, as for views.
+static void neuron_inplace_view(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
+  adaptive_flush("an in-place view op");
+  op.redispatchBoxed(kCPUKeys, stack);
+}
+
+static Tensor neuron_view(const Tensor& self, c10::IntArrayRef size) {
+  Tensor out = at::native::view(self, size);
+  if (C10_UNLIKELY(adaptive_active())) {
+    static const DirectView op("aten::view");
+    note_direct_view(op, out, self, size.vec());
+  }
+  return out;
+}
+static Tensor neuron_as_strided(const Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                                std::optional<int64_t> offset) {
+  Tensor out = at::native::as_strided_tensorimpl(self, size, stride, offset);
+  if (C10_UNLIKELY(adaptive_active())) {
+    static const DirectView op("aten::as_strided");
+    note_direct_view(op, out, self, size.vec(), stride.vec(), offset ? IValue(*offset) : IValue());
+  }
+  return out;
+}
+// _unsafe_view is a view in all but its schema (autograd does not track it): adaptive eager records it
+// as one, so programs compute through it (its composite kernel would alias without reaching the device).
+static Tensor neuron_unsafe_view(const Tensor& self, c10::IntArrayRef size) {
+  Tensor out = at::native::_unsafe_view(self, size);
+  if (C10_UNLIKELY(adaptive_active())) {
+    static const DirectView op("aten::_unsafe_view");
+    note_direct_view(op, out, self, size.vec());
+  }
+  return out;
+}
+static Tensor neuron_reshape_alias(const Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  Tensor out = at::native::_reshape_alias(self, size, stride);
+  if (C10_UNLIKELY(adaptive_active())) {
+    static const DirectView op("aten::_reshape_alias");
+    note_direct_view(op, out, self, size.vec(), stride.vec());
+  }
+  return out;
+}
+
+void run_op_now(const c10::OperatorHandle& op, Stack* stack) { run_on_device(op, entry_of(op), stack); }
+
+void copy_device_bytes(const Tensor& dst, const Tensor& src) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  Tensor d = cpu_alias(dst);
+  at::native::copy_(d, cpu_alias(src), false);
+}
+
+static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack) {
   if (entry.returns_view) {  // metadata only: run the CPU kernel on the neuron TensorImpl itself
     op.redispatchBoxed(kCPUKeys, stack);
     return;
@@ -563,6 +647,21 @@ static void check_copy_devices(const Tensor& src, const Tensor& dst) {
 }
 
 Tensor& neuron_copy_(Tensor& self, const Tensor& src, bool non_blocking) {
+  if (C10_UNLIKELY(adaptive_active())) {
+    // A same-dtype device copy into memory the queue did not make (a fresh allocation, an input of
+    // the queued work) waits in the queue like any op. Other copies flush first: fused programs
+    // traced with copies into queued results, or converting copies, computed wrong values (a
+    // Llama's attention mask; fft.hfft2 in the OpInfo sweep).
+    if (is_neuron(self) && is_neuron(src) && self.scalar_type() == src.scalar_type() &&
+        !c10::isComplexType(self.scalar_type()) && !adaptive_is_queued(self)) {
+      static const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
+      static const int32_t id = op_id_of(handle);
+      Stack stack{IValue(self), IValue(src), IValue(non_blocking)};
+      if (adaptive_enqueue(handle, id, &stack)) return self;
+    } else {
+      adaptive_flush(is_neuron(self) && is_neuron(src) ? "copy_ into a queued result" : "copy_ to or from the host");
+    }
+  }
   check_copy_devices(src, self);
   {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -587,6 +686,7 @@ Tensor neuron_copy_from_and_resize(const Tensor& self, const Tensor& dst) {
   return dst;
 }
 Tensor& neuron_set_empty(Tensor& self) {
+  adaptive_flush("set_");  // queued work must be done before this reads or writes device data
   c10::DeviceGuard guard(self.device());
   c10::Storage st(c10::Storage::use_byte_size_t(), 0, device_allocator(), true);
   std::vector<int64_t> size{0}, stride{};
@@ -615,6 +715,7 @@ static void check_same_neuron_device(std::initializer_list<const Tensor*> ts) {
 Tensor neuron_convolution(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                           c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
                           c10::IntArrayRef output_padding, int64_t groups) {
+  adaptive_flush("convolution");  // queued work must be done before this reads or writes device data
   const Tensor undefined;
   const Tensor& b = bias.has_value() ? *bias : undefined;
   check_same_neuron_device({&input, &weight, &b});
@@ -634,6 +735,7 @@ std::tuple<Tensor, Tensor, Tensor> neuron_convolution_backward(
     const Tensor& grad_output, const Tensor& input, const Tensor& weight, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
     int64_t groups, std::array<bool, 3> mask) {
+  adaptive_flush("convolution_backward");  // queued work must be done before this reads or writes device data
   check_same_neuron_device({&grad_output, &input, &weight});
   const DeviceIndex index = input.device().index();
   std::tuple<Tensor, Tensor, Tensor> r;
@@ -653,6 +755,7 @@ std::tuple<Tensor, Tensor, Tensor> neuron_convolution_backward(
 
 // Tensor.record_stream: tells the allocator the block is used on `stream` (see recordStream).
 void neuron_record_stream(Tensor& self, c10::Stream stream) {
+  adaptive_flush("record_stream");  // queued work must be done before this reads or writes device data
   TORCH_CHECK(stream.device_type() == kNeuron, "record_stream expects a neuron stream, got one on ", stream.device());
   static_cast<c10::DeviceAllocator*>(device_allocator())->recordStream(self.storage().data_ptr(), stream);
 }
@@ -714,9 +817,10 @@ static bool g_installed = [] {
   auto& m = library("aten");
   m.impl("empty.memory_format", TORCH_FN(neuron_empty));
   m.impl("empty_strided", TORCH_FN(neuron_empty_strided));
-  m.impl("view", TORCH_FN(at::native::view));
-  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
-  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("view", TORCH_FN(neuron_view));
+  m.impl("as_strided", TORCH_FN(neuron_as_strided));
+  m.impl("_reshape_alias", TORCH_FN(neuron_reshape_alias));
+  m.impl("_unsafe_view", TORCH_FN(neuron_unsafe_view));
   for (const char* n : {"resize_", "set_.source_Storage_storage_offset", "set_.source_Storage", "set_.source_Tensor"})
     m.impl(n, torch::CppFunction::makeFromBoxedFunction<&redispatch_to_cpu_kernel>());
   m.impl("set_", TORCH_FN(neuron_set_empty));
@@ -736,8 +840,19 @@ static bool g_installed = [] {
   for (const auto& name : d.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;
     auto h = d.findOp(name);
-    if (!h || !h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional) ||
-        !h->hasKernelForDispatchKey(DispatchKey::CPU) || h->hasKernelForDispatchKey(DispatchKey::PrivateUse1))
+    if (!h || h->hasKernelForDispatchKey(DispatchKey::PrivateUse1)) continue;
+    if (h->hasTag(at::Tag::inplace_view)) {  // (squeeze_, as_strided_, ...: metadata, but see below)
+      std::string s = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+      m.impl(s.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_inplace_view>());
+      continue;
+    }
+    // Foreach ops too: one device op over a list (one launch on the NeuronCore, one entry in
+    // adaptive eager's queue), not a host loop of per-tensor ops through the dispatcher.
+    // clone too: one op making a fresh tensor, not an allocation and a copy into it.
+    const bool foreach = name.name.rfind("aten::_foreach_", 0) == 0;
+    const bool whole = foreach || name.name == "aten::clone";
+    if (!whole && !(h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional) &&
+                    h->hasKernelForDispatchKey(DispatchKey::CPU)))
       continue;
     std::string s = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
     m.impl(s.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
@@ -788,6 +903,7 @@ static int64_t direct_structured_ops() { return g_direct_structured; }
 // A zero-copy CPU alias, for Python code that must read device memory on the host (collectives,
 // NKI, serialisation); the alias keeps the device storage alive.
 static Tensor host_view(const Tensor& t) {
+  adaptive_flush("host_view");  // queued work must be done before this reads or writes device data
   TORCH_CHECK(is_neuron(t), "host_view expects a neuron tensor, got one on ", t.device());
   // Unlike the fallback's aliases, an ordinary CPU tensor (version counter, autograd keys) that
   // Python code can use anywhere, in place included.

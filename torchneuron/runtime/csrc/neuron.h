@@ -5,11 +5,14 @@
 // kernels over zero-copy CPU aliases). Everything that is not per-op work lives in Python.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace torchneuron {
 
@@ -86,5 +89,25 @@ void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId strea
 
 // ---- ops (fallback.cpp) ----
 int32_t op_id_of(const c10::OperatorHandle& op);
+// Runs an op on the device now (the fallback's work, without the adaptive queue).
+void run_op_now(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
+// Copies device bytes between two neuron tensors of one shape, off the work log.
+void copy_device_bytes(const at::Tensor& dst, const at::Tensor& src);
+
+// ---- adaptive eager mode's queue (queue.cpp) ----
+// Whether ops reaching the fallback on this thread go through the queue now.
+bool adaptive_active();
+// Queues the op on `stack` (or runs it, having learnt how to queue it); false: the caller runs it
+// (the queue flushed first if the op must see queued work done).
+bool adaptive_enqueue(const c10::OperatorHandle& op, int32_t op_id, std::vector<c10::IValue>* stack);
+// Records a view op that just ran (its `args`, and its results at the end of `results`) if it
+// views queued memory, so fused programs compute through it.
+void adaptive_note_view(const c10::OperatorHandle& op, int32_t op_id, std::vector<c10::IValue>&& args,
+                        const std::vector<c10::IValue>& results, size_t n_results);
+// Whether `t` is a tensor the queue made (an output of a queued op, or a recorded view of one).
+bool adaptive_is_queued(const at::Tensor& t);
+// Runs every queued op; a no-op with an empty queue, inside a flush, or off the queue's thread.
+// `cause` names what needs the work done (counted for torchneuron.eager.stats).
+void adaptive_flush(const char* cause = "flush()");
 
 }  // namespace torchneuron

@@ -125,6 +125,10 @@ py::tuple signature(py::tuple args, py::dict kwargs, py::handle marker) {
 }  // namespace
 }  // namespace torchneuron
 
+namespace torchneuron {
+void bind_adaptive_queue(py::module_& m);  // queue.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchneuron's C++ runtime: fast entry points for generated code";
   m.def("empty_strided", &torchneuron::empty_strided, "An uninitialised tensor on a neuron device",
@@ -141,4 +145,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("signature", &torchneuron::signature,
         "(signature, tensors, floats, placement) of an op call's arguments; placement: 0 no neuron tensor, "
         "1 some, 2 all (and all plain Tensors or Parameters)");
+  torchneuron::bind_adaptive_queue(m);
 }
