@@ -29,7 +29,7 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
     from torchneuron.eager.recording import worklog_paused
 
     register_inductor()
-    # Tracing and compiling must not meet the adaptive eager queue (or any other dispatch mode).
+    # Tracing and compiling must not meet a dispatch mode (the flush compiling this has the queue off).
     # The run was queued below autograd: whatever the grad mode at the flush, its replay records
     # no autograd (an optimizer's in-place update of a leaf is legal there).
     # Fused pointwise chains round every intermediate to its dtype, as the ops did one by one:

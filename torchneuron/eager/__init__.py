@@ -2,7 +2,7 @@
 
     torchneuron.eager.set_eager_mode("adaptive")   # or TORCHNEURON_EAGER_MODE=adaptive
 
-Eager ops on neuron tensors are queued instead of run one by one (queue.py); at a flush, runs
+Eager ops on neuron tensors are queued instead of run one by one; at a flush, runs
 of queued ops are fused by heuristics and dispatched as one kernel each, compiled once and
 cached by their signature (fusion.py). Results, stream order, random numbers and aliasing are
 plain eager's; reading data on the host (`item`, `.cpu()`, printing), an NKI kernel, a
@@ -131,7 +131,8 @@ _original_str: Any = None
 
 
 def _flush_before_printing(on: bool) -> None:
-    """Tensor printing disables dispatch modes before reading values: flush the queue first."""
+    """Printing a tensor flushes the queue before formatting starts (its reads would flush it
+    anyway, op by op)."""
     global _original_str
     import torch._tensor_str as tensor_str
 
