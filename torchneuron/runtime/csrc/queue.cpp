@@ -38,6 +38,7 @@
 namespace torchneuron::adaptive {
 
 constexpr size_t kMaxQueue = 1024;
+constexpr size_t kMinRepeat = 32;  // entries before a repeated first op counts as a new iteration
 
 // Tags keep a signature self-delimiting (each variable-length item carries its length).
 enum Tag : int64_t {
@@ -545,6 +546,10 @@ bool adaptive_enqueue(const c10::OperatorHandle& op, int32_t op_id, Stack* stack
     return false;
   }
   if (!g_queue.entries.empty() && aliasing_needs_flush(s)) flush_for(f.name + " (aliasing)");
+  // A loop's next iteration starts with the op this queue started with: flushing there, not when
+  // the queue is full, gives every iteration the same queue, which a cached plan replays.
+  if (g_queue.entries.size() >= kMinRepeat && s.words == g_queue.first_op) flush_for("the queue's first op again");
+  if (g_queue.first_op.empty()) g_queue.first_op = s.words;
   enqueue(op, op_id, static_cast<Kind>(f.kind), &known->second, s, stack);
   if (g_queue.entries.size() >= kMaxQueue) flush_for("full queue");
   return true;

@@ -105,6 +105,7 @@ using FlatMap = ska::flat_hash_map<K, V>;  // open addressing: no allocation per
 
 struct Queue {
   std::vector<Entry> entries;
+  Words first_op;            // the first queued op's signature: when it comes again, the queue flushes
   Words key;                 // every entry's op, signature and argument origins
   std::vector<double> floats;
   FlatMap<c10::TensorImpl*, int64_t> local;        // queued outputs and views -> ref
@@ -117,6 +118,7 @@ struct Queue {
   std::optional<c10::Stream> stream;
 
   void clear_tracking() {
+    first_op.clear();
     local.clear();
     bases.clear();
     externals.clear();
