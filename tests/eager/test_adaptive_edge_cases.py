@@ -162,3 +162,24 @@ def test_wrapped_numbers_replayed_by_the_python_side(adaptive):
         return ((x % 3) * 2 + 1).cpu()
 
     assert_same_as_eager(fn, times=6)
+
+
+def test_attention_fuses_with_its_neighbours_forward_and_backward(adaptive):
+    """SDPA's fused kernel (and its backward) joins the fused program: no flush, no eager op."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g).to("neuron").requires_grad_() for _ in range(3))
+
+    def fn():
+        for t in (q, k, v):
+            t.grad = None
+        out = F.scaled_dot_product_attention(q * 2, k, v, is_causal=True).relu()
+        out.sum().backward()
+        return [t.cpu() for t in (out, q.grad, k.grad, v.grad)]
+
+    assert_same_as_eager(fn, atol=1e-6, rtol=1e-6)
+    eager.set_eager_mode("adaptive")
+    before = eager.stats()
+    fn()
+    after = eager.stats()
+    assert after["fused_runs"] > before["fused_runs"]
+    assert after["eager_ops"] == before["eager_ops"]

@@ -81,6 +81,29 @@ def test_sdpa_and_embedding_match_cpu():
     torch.testing.assert_close(copy.deepcopy(emb).to("neuron")(ids.neuron()).cpu(), emb(ids))
 
 
+def test_sdpa_runs_the_fused_attention_kernel_when_cpu_would():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 3, 17, 8, requires_grad=True) for _ in range(3))
+    qn, kn, vn = (t.detach().neuron().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True)
+    assert "FlashAttention" in type(out.grad_fn).__name__  # one kernel forward, one backward
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    out.backward(grad.neuron())
+    torch.testing.assert_close(out.cpu(), expected)
+    for mine, theirs in ((qn, q), (kn, k), (vn, v)):
+        torch.testing.assert_close(mine.grad.cpu(), theirs.grad)
+    # where CPU would take the math path, so does neuron: the backends switch and dropout
+    with sdpa_kernel(SDPBackend.MATH):
+        math = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True)
+    assert "FlashAttention" not in type(math.grad_fn).__name__
+    torch.testing.assert_close(math.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    dropped = F.scaled_dot_product_attention(qn, kn, vn, dropout_p=0.5)
+    assert "FlashAttention" not in type(dropped.grad_fn).__name__
+
+
 def test_dtypes():
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.bool, torch.uint8):
         x = torch.ones(3, dtype=dtype, device="neuron")

@@ -105,6 +105,19 @@ def test_modules_phases_and_backward_attribution(profiled):
     assert {e.source_line for e in opt_events} == {line["optimizer"]}
 
 
+def test_ops_run_by_accumulate_grad_are_attributed(profiled):
+    # A non-contiguous gradient reaching a leaf is cloned by AccumulateGrad, a node outside the
+    # forward's sequence numbering (its number is UINT64_MAX): the op is still captured.
+    leaf = torch.randn(4, 6, device="neuron", requires_grad=True)
+
+    def step():
+        (leaf.t() * 2).t().sum().backward()
+
+    events = neuron_profiler.device_events(profiled(step))
+    assert any(e.autograd_node == "AccumulateGrad" for e in events)
+    assert leaf.grad is not None
+
+
 def test_cpu_fallback_and_copies_are_flagged(profiled):
     x = torch.randn(32, 8, device="neuron")
     line = {}

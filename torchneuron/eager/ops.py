@@ -34,13 +34,16 @@ from torchneuron.ops import policy
 VIEW, QUEUE, SYNC, ALLOCATE = "view", "queue", "sync", "allocate"
 FUSIBLE_CATEGORIES = frozenset({"elementwise", "transcendental", "copy", "fill", "iota", "reduction", "softmax",
                                 "softmax_backward", "norm", "norm_backward", "matmul", "foreach",
-                                "foreach_transcendental", "optimizer", "gather", "scatter"})
+                                "foreach_transcendental", "optimizer", "gather", "scatter", "attention"})
 # Functional ops the model files under "view" (no data movement on the device) that fuse freely.
 FUSIBLE_OPS = frozenset({"aten::_unsafe_view", "aten::clone", "aten::alias_copy", "aten::view_copy"})
 # Ops with tensor arguments that read only their metadata and write fresh memory.
 ALLOCATORS = frozenset({"aten::new_empty_strided", "aten::new_empty", "aten::empty_like", "aten::new_zeros",
                         "aten::new_ones", "aten::new_full", "aten::zeros_like", "aten::ones_like",
                         "aten::full_like"})
+# Tagged `nondeterministic_seeded` for their dropout argument, but the host kernel refuses any
+# dropout: they never draw random numbers, so they queue and fuse like any op.
+NEVER_RANDOM = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu"})
 NEVER_QUEUED = frozenset({"aten::_copy_from", "aten::_copy_from_and_resize", "aten::_local_scalar_dense",
                           "aten::equal", "aten::set_", "aten::resize_", "aten::record_stream", "aten::item"})
 
@@ -93,7 +96,7 @@ def _kind_of(func: torch._ops.OpOverload) -> OpInfo:
         return OpInfo(VIEW)
     if base in ALLOCATORS and not schema.is_mutable:  # not their out= overloads
         return OpInfo(ALLOCATE)
-    random = torch.Tag.nondeterministic_seeded in func.tags or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
+    random = (torch.Tag.nondeterministic_seeded in func.tags and base not in NEVER_RANDOM) or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
         or any(str(a.type).startswith("Generator") for a in schema.arguments)
     if random or base in NEVER_QUEUED or torch.Tag.inplace_view in func.tags \
             or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags \

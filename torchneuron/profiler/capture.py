@@ -128,6 +128,7 @@ def _classify_code(code: Any) -> int:
 _Module = torch.nn.Module
 _current_node = torch._C._current_autograd_node
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+_NO_SEQUENCE = 2**63
 _time_ns = time.time_ns
 _get_ident = threading.get_ident
 
@@ -213,7 +214,8 @@ class _Store:
         node = _current_node()
         if node is not None:
             self.node.append(type(node).__name__)
-            self.seq.append(node._sequence_nr())
+            seq = node._sequence_nr()  # nodes outside the forward's numbering (AccumulateGrad) have UINT64_MAX
+            self.seq.append(seq if seq < _NO_SEQUENCE else -1)
         else:
             self.node.append("")
             self.seq.append(_next_sequence_nr() - 1)  # the sequence number the op's autograd node got
