@@ -183,3 +183,19 @@ def test_attention_fuses_with_its_neighbours_forward_and_backward(adaptive):
     after = eager.stats()
     assert after["fused_runs"] > before["fused_runs"]
     assert after["eager_ops"] == before["eager_ops"]
+
+
+def test_a_resize_between_queued_ops_runs_them_first(adaptive):
+    """soft_margin_loss's out= kernel writes its output at the input's shape, reduces it, then
+    resizes it to a scalar: the queued writes must run against the shape they were queued with."""
+    g = torch.Generator().manual_seed(0)
+    x, target = torch.randn(5, generator=g).to("neuron"), torch.randn(5, generator=g).to("neuron")
+
+    def fn():
+        out = torch.empty(0, device="neuron")
+        torch.ops.aten.soft_margin_loss.out(x * 1, target, 1, out=out)
+        loss = F.soft_margin_loss(x.detach().requires_grad_(), target)  # its functional form, with autograd
+        return [out.cpu(), loss.detach().cpu()]
+
+    assert_same_as_eager(fn)
+    torch.testing.assert_close(fn()[1], F.soft_margin_loss(x.detach().cpu(), target.cpu()))

@@ -26,13 +26,9 @@ pytestmark = pytest.mark.slow  # ~2 min alone (plain eager's sweep: ~35 s), most
 DTYPES = (torch.float32, torch.bfloat16)  # test_opinfo's
 
 # "op.variant/dtype" -> cause, for ops that fail in adaptive mode only. The sweep found 13 in 8
-# ops with the Python queue and 16 in 11 ops with the C++ one; all fixed but this one, and each
-# fix has a regression test in tests/eager/test_adaptive_edge_cases.py.
-ADAPTIVE_KNOWN_FAILURES: dict[str, str] = {
-    **{f"nn.functional.soft_margin_loss/{dt}": "wrong loss value, only after the sweep's earlier ops (the op's "
-       "samples pass alone and after its neighbours): state left by an earlier op, not yet found"
-       for dt in ("float32", "bfloat16")},
-}
+# ops with the Python queue and 16 in 11 ops with the C++ one; all are fixed, each with a
+# regression test in tests/eager/test_adaptive_edge_cases.py.
+ADAPTIVE_KNOWN_FAILURES: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

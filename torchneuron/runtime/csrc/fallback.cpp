@@ -358,20 +358,6 @@ void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack
   run_on_device(op, entry, stack);
 }
 
-// The view kernels registered directly (no boxing on the hot path), noting their views for
-// adaptive eager mode as the fallback does.
-struct DirectView {
-  c10::OperatorHandle handle;
-  int32_t id;
-  explicit DirectView(const char* name)
-      : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "")), id(op_id_of(handle)) {}
-};
-template <class... Args>
-static void note_direct_view(const DirectView& op, const Tensor& result, Args&&... args) {
-  std::vector<IValue> stack_args{IValue(std::forward<Args>(args))...};
-  Stack results{IValue(result)};
-  adaptive_note_view(op.handle, op.id, std::move(stack_args), results, 1);
-}
 // In-place view ops (squeeze_, t_, as_strided_, ...) change a tensor's geometry: adaptive eager's
 // queued ops must run first (they were recorded against the old one). The CPU kernel then sets the
 // geometry on the neuron TensorImpl itself, as for views.
@@ -380,41 +366,39 @@ static void neuron_inplace_view(const c10::OperatorHandle& op, DispatchKeySet, S
   op.redispatchBoxed(kCPUKeys, stack);
 }
 
-static Tensor neuron_view(const Tensor& self, c10::IntArrayRef size) {
-  Tensor out = at::native::view(self, size);
+// The view kernels registered directly (no boxing on the hot path): the native view function, and
+// the view noted for adaptive eager mode as the fallback notes the views it runs. _unsafe_view is
+// among them: a view in all but its schema (autograd does not track it), recorded as one so fused
+// programs compute through it (its composite kernel would alias without reaching the device).
+struct DirectView {
+  c10::OperatorHandle handle;
+  int32_t id;
+  explicit DirectView(const char* name)
+      : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "")), id(op_id_of(handle)) {}
+};
+static IValue as_ivalue(c10::IntArrayRef v) { return IValue(v.vec()); }
+static IValue as_ivalue(std::optional<int64_t> v) { return v ? IValue(*v) : IValue(); }
+
+template <const char* kName, auto kNative, class... Args>
+static Tensor neuron_direct_view(const Tensor& self, Args... args) {
+  Tensor out = kNative(self, args...);
   if (C10_UNLIKELY(adaptive_active())) {
-    static const DirectView op("aten::view");
-    note_direct_view(op, out, self, size.vec());
+    static const DirectView op(kName);
+    std::vector<IValue> stack_args{IValue(self), as_ivalue(args)...};
+    Stack results{IValue(out)};
+    adaptive_note_view(op.handle, op.id, std::move(stack_args), results, 1);
   }
   return out;
 }
-static Tensor neuron_as_strided(const Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
-                                std::optional<int64_t> offset) {
-  Tensor out = at::native::as_strided_tensorimpl(self, size, stride, offset);
-  if (C10_UNLIKELY(adaptive_active())) {
-    static const DirectView op("aten::as_strided");
-    note_direct_view(op, out, self, size.vec(), stride.vec(), offset ? IValue(*offset) : IValue());
-  }
-  return out;
-}
-// _unsafe_view is a view in all but its schema (autograd does not track it): adaptive eager records it
-// as one, so programs compute through it (its composite kernel would alias without reaching the device).
-static Tensor neuron_unsafe_view(const Tensor& self, c10::IntArrayRef size) {
-  Tensor out = at::native::_unsafe_view(self, size);
-  if (C10_UNLIKELY(adaptive_active())) {
-    static const DirectView op("aten::_unsafe_view");
-    note_direct_view(op, out, self, size.vec());
-  }
-  return out;
-}
-static Tensor neuron_reshape_alias(const Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
-  Tensor out = at::native::_reshape_alias(self, size, stride);
-  if (C10_UNLIKELY(adaptive_active())) {
-    static const DirectView op("aten::_reshape_alias");
-    note_direct_view(op, out, self, size.vec(), stride.vec());
-  }
-  return out;
-}
+static constexpr char kView[] = "aten::view", kAsStrided[] = "aten::as_strided",
+                      kUnsafeView[] = "aten::_unsafe_view", kReshapeAlias[] = "aten::_reshape_alias";
+using at::IntArrayRef;
+static constexpr auto neuron_view = &neuron_direct_view<kView, &at::native::view, IntArrayRef>;
+static constexpr auto neuron_as_strided = &neuron_direct_view<kAsStrided, &at::native::as_strided_tensorimpl,
+                                                              IntArrayRef, IntArrayRef, std::optional<int64_t>>;
+static constexpr auto neuron_unsafe_view = &neuron_direct_view<kUnsafeView, &at::native::_unsafe_view, IntArrayRef>;
+static constexpr auto neuron_reshape_alias =
+    &neuron_direct_view<kReshapeAlias, &at::native::_reshape_alias, IntArrayRef, IntArrayRef>;
 
 void run_op_now(const c10::OperatorHandle& op, Stack* stack) { run_on_device(op, entry_of(op), stack); }
 
@@ -772,8 +756,16 @@ bool neuron_has_compatible_shallow_copy_type(const Tensor& self, const Tensor& f
   return dense_strided(self) && dense_strided(from);
 }
 
-// Ops whose CPU kernel must run on the neuron TensorImpl itself (storage swaps, resizes).
-void redispatch_to_cpu_kernel(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
+// resize_ and set_ swap a tensor's storage or change its geometry: their CPU kernel runs on the
+// neuron TensorImpl itself. Queued ops were recorded against the old geometry, so they run first
+// (soft_margin_loss's out= kernel resizes its output between queued ops), unless the resize
+// changes nothing.
+void neuron_resize_or_set(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
+  static const c10::OperatorName resize("aten::resize_", "");
+  const size_t base = stack->size() - op.schema().arguments().size();
+  const bool same_size = op.operator_name() == resize && (*stack)[base + 2].isNone() &&
+                         (*stack)[base].toTensor().sym_sizes().equals((*stack)[base + 1].toSymIntList().vec());
+  if (!same_size) adaptive_flush("resize_ or set_ of a tensor");
   op.redispatchBoxed(kCPUKeys, stack);
 }
 
@@ -822,7 +814,7 @@ static bool g_installed = [] {
   m.impl("_reshape_alias", TORCH_FN(neuron_reshape_alias));
   m.impl("_unsafe_view", TORCH_FN(neuron_unsafe_view));
   for (const char* n : {"resize_", "set_.source_Storage_storage_offset", "set_.source_Storage", "set_.source_Tensor"})
-    m.impl(n, torch::CppFunction::makeFromBoxedFunction<&redispatch_to_cpu_kernel>());
+    m.impl(n, torch::CppFunction::makeFromBoxedFunction<&neuron_resize_or_set>());
   m.impl("set_", TORCH_FN(neuron_set_empty));
   m.impl("copy_", TORCH_FN(neuron_copy_));
   m.impl("record_stream", TORCH_FN(neuron_record_stream));
