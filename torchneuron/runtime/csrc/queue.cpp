@@ -286,6 +286,24 @@ const Tensor* twin_of(const Tensor& t) {
   return nullptr;
 }
 
+// How the queue relates a tensor argument to the memory it queued work on.
+enum class Relation {
+  kQueued,     // made by a recorded op or view, or the tensor the queue knows its memory by
+  kTwin,       // another TensorImpl with a queued tensor's memory and geometry (its twin is returned)
+  kUnrelated,  // over queued memory, but neither: a fused program could not tell its reads apart
+  kExternal,   // not over queued memory
+};
+std::pair<Relation, const Tensor*> relate(const Tensor& t) {
+  Queue& q = g_queue;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (q.local.count(impl)) return {Relation::kQueued, nullptr};
+  auto base = q.bases.find(storage_of(t));
+  if (base == q.bases.end()) return {Relation::kExternal, nullptr};
+  if (base->second.unsafeGetTensorImpl() == impl) return {Relation::kQueued, nullptr};
+  const Tensor* twin = twin_of(t);
+  return {twin ? Relation::kTwin : Relation::kUnrelated, twin};
+}
+
 // A tensor over queued memory that no recorded op or view made, unless it is the very tensor
 // (another TensorImpl with the same geometry: an autograd-saved tensor, say); or a write to an
 // external whose memory an earlier queued op read through another tensor. The queue must flush
@@ -293,17 +311,12 @@ const Tensor* twin_of(const Tensor& t) {
 bool aliasing_needs_flush(const Scan& s) {
   Queue& q = g_queue;
   for (size_t i = 0; i < s.tensors.size(); ++i) {
-    c10::TensorImpl* impl = s.tensors[i].unsafeGetTensorImpl();
-    if (q.local.count(impl)) continue;
-    c10::StorageImpl* st = storage_of(s.tensors[i]);
-    auto base = q.bases.find(st);
-    if (base != q.bases.end()) {
-      if (base->second.unsafeGetTensorImpl() != impl && !twin_of(s.tensors[i])) return true;
-      continue;
-    }
-    if (s.written[i]) {
-      auto use = q.reads.find(st);
-      if (use != q.reads.end() && (use->second.shared || use->second.reader != impl)) return true;
+    const Relation relation = relate(s.tensors[i]).first;
+    if (relation == Relation::kUnrelated) return true;
+    if (relation == Relation::kExternal && s.written[i]) {
+      auto use = q.reads.find(storage_of(s.tensors[i]));
+      if (use != q.reads.end() && (use->second.shared || use->second.reader != s.tensors[i].unsafeGetTensorImpl()))
+        return true;
     }
   }
   return false;
@@ -318,10 +331,8 @@ int64_t ref_of(const Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto found = q.local.find(impl);
   if (found != q.local.end()) return found->second;
-  c10::StorageImpl* st = storage_of(t);
-  auto base = q.bases.find(st);
-  const Tensor* twin = base != q.bases.end() && base->second.unsafeGetTensorImpl() != impl ? twin_of(t) : nullptr;
-  if (twin) {  // (aliasing_needs_flush found one)
+  const auto [relation, twin] = relate(t);
+  if (relation == Relation::kTwin) {
     Tensor base_tensor = *twin;
     const int64_t base_ref = ref_of(base_tensor);
     Entry alias;
@@ -343,7 +354,7 @@ int64_t ref_of(const Tensor& t) {
   }
   auto [it, fresh] = q.externals.emplace(impl, static_cast<int64_t>(q.externals.size()));
   if (fresh) {
-    StorageUse& use = q.reads[st];
+    StorageUse& use = q.reads[storage_of(t)];
     if (use.reader == nullptr) use.reader = impl;
     else if (use.reader != impl) use.shared = true;
   }
@@ -572,12 +583,8 @@ void adaptive_note_view(const c10::OperatorHandle& op, int32_t op_id, std::vecto
   ScanScope scope{s};
   for (size_t i = 0; i < args.size(); ++i) scan_value(args[i], false, s);
   if (s.other || s.tensors.empty()) return;
-  for (const Tensor& t : s.tensors) {  // over queued memory the queue cannot relate: ops on it flush
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    auto base = q.bases.find(storage_of(t));
-    if (!q.local.count(impl) && base != q.bases.end() && base->second.unsafeGetTensorImpl() != impl && !twin_of(t))
-      return;
-  }
+  for (const Tensor& t : s.tensors)  // over queued memory the queue cannot relate: ops on it flush
+    if (relate(t).first == Relation::kUnrelated) return;
   facts_of(op, op_id);  // (its handle and name, for the Python side)
   c10::SmallVector<int64_t, 8> refs;
   for (const Tensor& t : s.tensors) refs.push_back(ref_of(t));
