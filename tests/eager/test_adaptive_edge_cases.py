@@ -199,3 +199,56 @@ def test_a_resize_between_queued_ops_runs_them_first(adaptive):
 
     assert_same_as_eager(fn)
     torch.testing.assert_close(fn()[1], F.soft_margin_loss(x.detach().cpu(), target.cpu()))
+
+
+def _loop_with_a_changing_float(fn, iterations=6, first=0, x=None):
+    if x is None:
+        x = torch.arange(12.0).reshape(3, 4).to("neuron") / 7
+        x.cpu()  # made before the loop: every iteration queues the same ops
+    return [fn(x, 0.5 + 0.25 * i).cpu() for i in range(first, first + iterations)]
+
+
+def test_changing_floats_become_program_arguments(adaptive):
+    """A float that changes every iteration (a scheduled learning rate, a bias correction) is an
+    argument of the fused program: compiled once, every op fused, eager's results."""
+    def fn(x, lr):
+        return x.mul(1 - lr * 0.01).addcdiv(x + 1, (x * x + 1).sqrt().add_(1e-8), value=-lr)
+
+    eager.set_eager_mode("eager")
+    want = _loop_with_a_changing_float(fn)
+    eager.set_eager_mode("adaptive")
+    before = eager.stats()
+    got = _loop_with_a_changing_float(fn)
+    after = eager.stats()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    assert after["compiles"] - before["compiles"] == 1
+    assert after["compile_failures"] == before["compile_failures"]
+    # from the third iteration (the second sighting, floats changed) on, nothing runs eagerly
+    x = torch.arange(12.0).reshape(3, 4).to("neuron") / 7
+    x.cpu()
+    steady = eager.stats()
+    _loop_with_a_changing_float(fn, iterations=2, first=6, x=x)
+    assert eager.stats()["eager_ops"] == steady["eager_ops"]
+    assert eager.stats()["compiles"] == steady["compiles"]
+
+
+def test_a_program_branching_on_a_changing_float_splits_around_it(adaptive):
+    """Inductor's lerp decomposition branches on the weight: that program cannot take the weight
+    as an argument, so lerp runs eagerly and its neighbours still fuse."""
+    def fn(x, weight):
+        return torch.lerp(x * 2, x + 1, weight).relu()
+
+    eager.set_eager_mode("eager")
+    want = _loop_with_a_changing_float(fn)
+    eager.set_eager_mode("adaptive")
+    got = _loop_with_a_changing_float(fn)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    x = torch.arange(12.0).reshape(3, 4).to("neuron") / 7
+    x.cpu()
+    before = eager.stats()
+    _loop_with_a_changing_float(fn, iterations=1, first=6, x=x)
+    after = eager.stats()
+    assert after["fused_runs"] - before["fused_runs"] == 1   # x * 2 and x + 1
+    assert after["eager_ops"] - before["eager_ops"] == 2     # lerp, and relu alone after it

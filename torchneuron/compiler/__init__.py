@@ -91,10 +91,11 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 _hooked = False
 
 
-def _compile_fused_run(replay: Callable[..., None], example_inputs: list[Any], n_inputs: int) -> Callable[[list], Any]:
+def _compile_fused_run(replay: Callable[..., None], example_inputs: list[Any], n_inputs: int,
+                       float_hints: tuple[float, ...] = ()) -> Callable[[list], Any]:
     from torchneuron.compiler.eager_kernels import compile_replay
 
-    return compile_replay(replay, example_inputs, n_inputs)
+    return compile_replay(replay, example_inputs, n_inputs, float_hints)
 
 
 def _enable_flex_attention() -> None:

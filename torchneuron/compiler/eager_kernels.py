@@ -8,6 +8,12 @@ program's `as_strided` views of values it mutated computed wrong results) and co
 Inductor's per-graph compiler, so the device pipeline (passes, partition, fusion, kernel plan) and code generation are the
 ones `torch.compile` uses, and the fused program charges its kernels to the device timeline.
 The result is called as `runner(list_of_tensors)`.
+
+Floats that change from call to call (an optimizer's bias corrections, a scheduled learning rate)
+are the program's arguments, not constants: `float_hints` gives their current values, the replay
+takes them after the tensors, and the runner after the tensors too. They are traced as unbacked
+symbolic floats (no value to trace with), so a program depending on a float's value (a branch on
+it) fails to trace and is refused: it would be right only for the value it was traced with.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import torch
 
 
 def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tensor],
-                   n_inputs: int) -> Callable[[list], Any]:
+                   n_inputs: int, float_hints: tuple[float, ...] = ()) -> Callable[[list], Any]:
     from torch._inductor import config as inductor_config
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -40,13 +46,45 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
             replay(*tensors)
             return ()  # Inductor compiles graphs returning a tuple; the results are the writes
 
-        gm = make_fx(functionalize(program, remove="mutations"), decomposition_table=core_decompositions(),
-                     tracing_mode="fake")(*example_inputs)
-        write_inputs_last(gm, n_inputs)
-        # Compile against the trace's fake tensors: the compiled program must not keep the run's
-        # buffers alive (adaptive eager reads liveness from reference counts).
-        fakes = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
-        return compile_graph(gm, fakes)
+        traced = functionalize(program, remove="mutations")
+        if not float_hints:
+            gm = make_fx(traced, decomposition_table=core_decompositions(), tracing_mode="fake")(*example_inputs)
+            write_inputs_last(gm, n_inputs)
+            # Compile against the trace's fake tensors: the compiled program must not keep the run's
+            # buffers alive (adaptive eager reads liveness from reference counts).
+            return compile_graph(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])
+        return _compile_with_float_arguments(traced, example_inputs, n_inputs, float_hints)
+
+
+def _compile_with_float_arguments(traced: Callable[..., tuple], example_inputs: list[torch.Tensor], n_inputs: int,
+                                  float_hints: tuple[float, ...]) -> Callable[[list], Any]:
+    """compile_replay's path for a program taking floats: traced with a symbolic float each."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from torchneuron.compiler.backend import compile_graph
+    from torchneuron.compiler.decompositions import core_decompositions
+
+    shape_env = ShapeEnv()
+    fake_mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
+    # Unbacked: no value to guess with, so anything depending on the value fails to trace (and
+    # Inductor's C++ kernels take unbacked floats as arguments).
+    floats = [shape_env.create_unbacked_symfloat() for _ in float_hints]
+    shape_env.pending_fresh_unbacked_symbols.clear()  # inputs: bound by their placeholders, not by an op
+    fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in example_inputs]
+    with fake_mode:
+        gm = make_fx(traced, decomposition_table=core_decompositions())(*fakes, *floats)
+    write_inputs_last(gm, n_inputs)
+    with tracing(TracingContext(fake_mode)):
+        runner = compile_graph(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])
+    assumptions = [str(g.expr) for g in shape_env.guards] + [str(a.expr) for asserts in
+                                                               shape_env.deferred_runtime_asserts.values() for a in asserts]
+    if assumptions or shape_env.replacements:
+        raise NotImplementedError(f"the fused program assumes values of its float arguments "
+                                  f"({assumptions or shape_env.replacements})")
+    return runner
 
 
 aten = torch.ops.aten

@@ -13,8 +13,10 @@ which eagerly); the queue replays a final plan itself when the same queue comes 
 - a run is compiled into one fused program the second time its key and floats are seen (a
   sequence seen once costs no compilation) and served from the cache afterwards;
 - when a key comes back with different floats (a learning-rate schedule, bias corrections),
-  the ops whose floats changed leave the run and run eagerly, so the rest still fuses (compiled
-  at once: the run was seen before) and a training loop pays each compilation once;
+  the floats that changed become the program's arguments (compiled at once: the run was seen
+  before), so a training loop pays each compilation once; where a program cannot take a float
+  as an argument (it would branch on its value), the ops holding changing floats leave the run
+  and run eagerly instead, and the rest still fuses;
 - a run shorter than `MIN_OPS` ops, or one whose compilation failed, runs eagerly.
 
 A fused program receives the run's external inputs and the output buffers that are still
@@ -41,9 +43,10 @@ log = logging.getLogger(__name__)
 MIN_OPS = 2
 COMPILE_AFTER = 2   # sightings of a run before it is compiled
 
-# compiler(replay, example_tensors, n_inputs) -> runner: the first n_inputs tensors are the run's
-# inputs, the rest the output buffers the replay writes.
-KernelCompiler = Callable[[Callable[..., None], list[torch.Tensor], int], Callable[[list[torch.Tensor]], Any]]
+# compiler(replay, example_tensors, n_inputs, float_hints) -> runner: the first n_inputs tensors are
+# the run's inputs, the rest the output buffers the replay writes; the replay and the runner take
+# the run's changing floats after the tensors (float_hints: their current values).
+KernelCompiler = Callable[[Callable[..., None], list[torch.Tensor], int, tuple], Callable[[list], Any]]
 Runner = Callable[[list[torch.Tensor]], Any]
 
 
@@ -53,15 +56,19 @@ class _Kernel:
     program: Any = None                                          # _Steps, once compiled
     runners: dict[tuple, Runner] = field(default_factory=dict)   # live-output mask -> program
     failed: bool = False
-    entry_point: Any = None     # entry_point(mask, tensors): runs the program (what C++ plans call)
+    runtime_floats: tuple[int, ...] = ()  # the run's floats (positions) the program takes as arguments
+    # entry_point(mask, tensors, float_values): runs the program (what C++ plans call)
+    entry_point: Any = None
 
 
 @dataclass
 class _Sequence:
-    """What is known of one run key: the floats of its last sighting and a kernel per floats."""
+    """What is known of one run key: the floats of its last sighting, the positions of the floats
+    seen changing, and a kernel per floats (changing ones as None)."""
 
     last_floats: tuple | None = None
     sightings: int = 0
+    changing: frozenset[int] = frozenset()
     kernels: dict[tuple, _Kernel] = field(default_factory=dict)
 
 
@@ -230,15 +237,22 @@ def program_steps(run: _Run) -> _Steps:
     return _Steps(steps, slot, alias_views, len(run.runtime_inputs), output_index)
 
 
-def replay_program(program: _Steps, mask: tuple[bool, ...], float_values: tuple) -> Callable[..., None]:
-    """A function of (runtime inputs..., live output buffers...) doing what the run does."""
+def replay_program(program: _Steps, mask: tuple[bool, ...], baked_floats: tuple,
+                   runtime_floats: tuple[int, ...] = ()) -> Callable[..., None]:
+    """A function of (runtime inputs..., live output buffers..., floats at `runtime_floats`...)
+    doing what the run does; its other floats are `baked_floats`."""
     live_slot = {}
     for j, alive in enumerate(mask):
         if alive:
             live_slot[j] = len(live_slot)
     slot, alias_views, n_inputs = program.slot, program.alias_views, program.n_inputs
+    n_tensors = n_inputs + len(live_slot)
 
-    def replay(*tensors: torch.Tensor) -> None:
+    def replay(*arguments: Any) -> None:
+        tensors = arguments[:n_tensors]
+        float_values = list(baked_floats)
+        for position, value in zip(runtime_floats, arguments[n_tensors:]):
+            float_values[position] = value
         inputs, buffers = tensors[:n_inputs], tensors[n_inputs:]
         values: dict[tuple, torch.Tensor] = {}
         views: dict[int, torch.Tensor] = {}
@@ -331,15 +345,20 @@ class Executor:
         if sequence is None:
             sequence = self.sequences[run.key] = _Sequence()
         sequence.sightings += 1
-        if self._note_floats(run, sequence, ops):
+        self._note_floats(run, sequence)
+        changing = sequence.changing
+        floats = tuple(None if i in changing else f for i, f in enumerate(run.floats))
+        kernel = sequence.kernels.get(floats)
+        if kernel is None:
+            kernel = sequence.kernels[floats] = _Kernel(runtime_floats=tuple(sorted(changing)))
+        kernel.sightings += 1
+        if kernel.failed and kernel.runtime_floats:  # cannot take its floats as arguments: split
+            self.volatile[ops] = {run.float_positions[i] for i in kernel.runtime_floats}
             del run  # it references every output: sub-runs must see only their own references
             self._split(entries, self.volatile[ops], seen=sequence.sightings)
             return
-        kernel = sequence.kernels.get(run.floats)
-        if kernel is None:
-            kernel = sequence.kernels[run.floats] = _Kernel()
-        kernel.sightings += 1
-        if kernel.failed or (kernel.program is None and kernel.sightings + seen < COMPILE_AFTER):
+        seen_before = max(kernel.sightings + seen, sequence.sightings if changing else 0)
+        if kernel.failed or (kernel.program is None and seen_before < COMPILE_AFTER):
             self.final = self.final and kernel.failed
             self._eager(entries)
             return
@@ -349,22 +368,26 @@ class Executor:
         if kernel.program is None:
             kernel.program = program_steps(run)
             floats = run.floats
-            kernel.entry_point = lambda mask, tensors: self._run_kernel(kernel, floats, mask, tensors)
+            kernel.entry_point = lambda mask, tensors, values: self._run_kernel(kernel, floats, mask, tensors, values)
         for entry in run.entries:   # the run's outputs list becomes the only reference the queue holds
             entry.release()
         mask = live_mask(run.outputs)
-        kernel.entry_point(mask, run.runtime_inputs + [t for t, alive in zip(run.outputs, mask) if alive])
+        values = tuple(run.floats[i] for i in kernel.runtime_floats)
+        kernel.entry_point(mask, run.runtime_inputs + [t for t, alive in zip(run.outputs, mask) if alive], values)
+        if kernel.failed and kernel.runtime_floats:
+            self.final = False  # next time the run splits around its changing floats instead
         self.actions.append((run.entries[0].index, run.entries[-1].index + 1, kernel.entry_point,
-                             run.runtime_inputs, run.outputs))
+                             run.runtime_inputs, run.outputs, kernel.runtime_floats))
 
-    def _run_kernel(self, kernel: _Kernel, floats: tuple, mask: tuple[bool, ...], tensors: list[torch.Tensor]) -> None:
+    def _run_kernel(self, kernel: _Kernel, floats: tuple, mask: tuple[bool, ...], tensors: list[torch.Tensor],
+                    values: tuple[float, ...]) -> None:
         """Runs a kernel's program for one liveness of its outputs (compiled on first use): `tensors`
-        are the run's inputs, then its live output buffers."""
+        are the run's inputs, then its live output buffers; `values` its changing floats."""
         runner = kernel.runners.get(mask)
         if runner is None:
-            runner = self._compile(kernel, floats, mask, tensors)
+            runner = self._compile(kernel, floats, mask, tensors, values)
         live = sum(mask)
-        runner(tensors)
+        runner([*tensors, *values] if values else tensors)
         computed = sum(not step[3] for step in kernel.program.steps)
         if kernel.failed:
             self.stats["eager_ops"] += computed
@@ -382,27 +405,32 @@ class Executor:
             start = position + 1
         self._run_segment(entries[start:], seen)
 
-    def _note_floats(self, run: _Run, sequence: _Sequence, ops: tuple[int, ...]) -> bool:
-        """Whether the run's floats differ from its last sighting's; if so, the ops holding the
-        changed floats are noted as volatile for runs of this op sequence."""
+    @staticmethod
+    def _note_floats(run: _Run, sequence: _Sequence) -> None:
+        """Adds the floats that differ from the run's last sighting to the ones seen changing."""
         previous, sequence.last_floats = sequence.last_floats, run.floats
-        if previous is None or previous == run.floats:
-            return False
-        self.volatile[ops] = {p for p, a, b in zip(run.float_positions, previous, run.floats) if a != b}
-        return True
+        if previous is not None and previous != run.floats:
+            sequence.changing = sequence.changing | {i for i, (a, b) in enumerate(zip(previous, run.floats)) if a != b}
 
-    def _compile(self, kernel: _Kernel, floats: tuple, mask: tuple[bool, ...], tensors: list[torch.Tensor]) -> Runner:
+    def _compile(self, kernel: _Kernel, floats: tuple, mask: tuple[bool, ...], tensors: list[torch.Tensor],
+                 values: tuple[float, ...]) -> Runner:
         """The fused program for this liveness; if it cannot be compiled, the same replay run
         eagerly (the run's entries were released), and the kernel is not fused again."""
-        replay = replay_program(kernel.program, mask, floats)
+        replay = replay_program(kernel.program, mask, floats, kernel.runtime_floats)
         try:
             with torch._C._ForceDispatchKeyGuard(*self.dispatch_keys):
-                runner = self.compiler(replay, list(tensors), len(tensors) - sum(mask))
+                runner = self.compiler(replay, list(tensors), len(tensors) - sum(mask), values)
         except Exception as error:
             kernel.failed = True
             self.stats["compile_failures"] += 1
-            log.warning("adaptive eager: could not fuse %d ops (%s: %s); they run eagerly", len(kernel.program.steps),
-                        type(error).__name__, error, exc_info=log.isEnabledFor(logging.DEBUG))
+            if kernel.runtime_floats:  # expected now and then: the run splits around those floats instead
+                log.info("adaptive eager: a fused program of %d ops cannot take its changing floats as arguments "
+                         "(%s); the ops holding them will run eagerly", len(kernel.program.steps),
+                         type(error).__name__, exc_info=log.isEnabledFor(logging.DEBUG))
+            else:
+                log.warning("adaptive eager: could not fuse %d ops (%s: %s); they run eagerly",
+                            len(kernel.program.steps), type(error).__name__, error,
+                            exc_info=log.isEnabledFor(logging.DEBUG))
             runner = lambda tensors: replay(*tensors)  # noqa: E731
         kernel.runners[mask] = runner
         self.stats["compiles"] += not kernel.failed

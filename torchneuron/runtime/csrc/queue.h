@@ -129,9 +129,10 @@ struct Queue {
 
 struct Action {
   int32_t begin = 0, end = 0;
-  PyObject* fused = nullptr;  // fused(mask, tensors); null: run the entries eagerly
+  PyObject* fused = nullptr;  // fused(mask, tensors, float_values); null: run the entries eagerly
   int32_t float_begin = 0;
-  std::vector<double> floats;  // the float arguments the program was compiled with
+  std::vector<double> floats;          // the float arguments the program was compiled with
+  std::vector<int32_t> runtime_floats;  // those (indices into floats) it takes as arguments instead
 };
 struct FlushPlan {
   std::vector<Action> actions;

@@ -68,7 +68,8 @@ bool held_once(const Target* target, size_t use_count) {
   return wrapper ? use_count == 2 && Py_REFCNT(wrapper) == 1 : use_count == 1;
 }
 
-void call_fused(PyObject* fused, const std::vector<Tensor>& inputs, std::vector<Tensor>& outputs) {
+void call_fused(const Action& a, const std::vector<double>& floats, const std::vector<Tensor>& inputs,
+                std::vector<Tensor>& outputs) {
   py::gil_scoped_acquire gil;
   // an output nobody can read any more (only this list holds it, nothing views its storage) is
   // an intermediate the program need not write
@@ -92,9 +93,13 @@ void call_fused(PyObject* fused, const std::vector<Tensor>& inputs, std::vector<
   for (size_t i = 0; i < outputs.size(); ++i)
     if (mask[i]) PyList_SET_ITEM(tensors, k++, wrap(outputs[i]));
   outputs.clear();
-  PyObject* result = PyObject_CallFunctionObjArgs(fused, live_mask, tensors, nullptr);
+  PyObject* values = PyTuple_New(static_cast<Py_ssize_t>(a.runtime_floats.size()));
+  for (size_t i = 0; i < a.runtime_floats.size(); ++i)
+    PyTuple_SET_ITEM(values, i, PyFloat_FromDouble(floats[a.float_begin + a.runtime_floats[i]]));
+  PyObject* result = PyObject_CallFunctionObjArgs(a.fused, live_mask, tensors, values, nullptr);
   Py_DECREF(live_mask);
   Py_DECREF(tensors);
+  Py_DECREF(values);
   if (!result) rethrow_python_error();
   Py_DECREF(result);
 }
@@ -130,7 +135,8 @@ void run_inputs(const std::vector<Entry>& entries, int32_t begin, int32_t end, s
   }
 }
 
-void run_plan(const FlushPlan& plan, std::vector<Entry>& entries, size_t n_externals) {
+void run_plan(const FlushPlan& plan, std::vector<Entry>& entries, const std::vector<double>& floats,
+              size_t n_externals) {
   std::vector<Tensor> inputs, outputs;
   for (const Action& a : plan.actions) {
     if (!a.fused) {
@@ -145,16 +151,23 @@ void run_plan(const FlushPlan& plan, std::vector<Entry>& entries, size_t n_exter
         for (Tensor& t : entries[i].outs) outputs.push_back(std::move(t));
       entries[i].release();
     }
-    call_fused(a.fused, inputs, outputs);
+    call_fused(a, floats, inputs, outputs);
   }
 }
 
 bool floats_match(const FlushPlan& plan, const std::vector<double>& floats) {
   for (const Action& a : plan.actions) {
     if (!a.fused || a.floats.empty()) continue;
-    if (a.float_begin + a.floats.size() > floats.size() ||
-        std::memcmp(a.floats.data(), floats.data() + a.float_begin, a.floats.size() * sizeof(double)) != 0)
-      return false;
+    if (a.float_begin + a.floats.size() > floats.size()) return false;
+    const double* now = floats.data() + a.float_begin;
+    size_t next_runtime = 0;  // runtime_floats is sorted: the program takes those as arguments
+    for (size_t i = 0; i < a.floats.size(); ++i) {
+      if (next_runtime < a.runtime_floats.size() && a.runtime_floats[next_runtime] == static_cast<int32_t>(i)) {
+        ++next_runtime;
+        continue;
+      }
+      if (std::memcmp(&a.floats[i], now + i, sizeof(double)) != 0) return false;
+    }
   }
   return true;
 }
@@ -277,6 +290,8 @@ void run_in_python(Words&& key, const std::vector<double>& floats, std::vector<E
       const Shadow& last = shadows[a.end - 1];
       a.float_begin = first.first_float;
       a.floats.assign(floats.begin() + first.first_float, floats.begin() + last.first_float + last.n_floats);
+      if (py::len(t) > 5)
+        for (py::handle i : t[5]) a.runtime_floats.push_back(i.cast<int32_t>());
     }
     plan.actions.push_back(std::move(a));
   }
@@ -315,7 +330,7 @@ void adaptive_flush(const char* cause) {
     auto plan = g_flush_plans.find(key);
     if (plan != g_flush_plans.end() && floats_match(plan->second, floats)) {
       g_stats.plan_hits++;
-      run_plan(plan->second, entries, n_externals);
+      run_plan(plan->second, entries, floats, n_externals);
     } else {
       run_in_python(std::move(key), floats, entries);
     }
