@@ -295,8 +295,9 @@ class Executor:
     def __init__(self) -> None:
         self.compiler: KernelCompiler | None = None
         self.sequences: dict[_Key, _Sequence] = {}   # one lookup per run: keys are long to compare
-        # op sequence -> positions whose floats vary (keyed by the ops alone, so a run known to split
-        # is not described whole first; a wrong guess only runs a few more ops eagerly)
+        # op sequence -> positions of the ops whose changing floats a program could not take as
+        # arguments: the run splits there (keyed by the ops alone, so a run known to split is not
+        # described whole first; a wrong guess only runs a few more ops eagerly)
         self.volatile: dict[tuple, set[int]] = {}
         # A flush may run inside the queue's dispatch handler, below autograd, where the keys of the
         # dispatch layers above are excluded; compiling needs them back (as when this was created).
