@@ -21,7 +21,8 @@ from tests.ops.test_opinfo import KNOWN_FAILURES
 from tests.ops.test_opinfo import test_every_op_is_covered, test_pass_rate_at_least_97_percent  # noqa: F401
 from torchneuron.eager.fusion import Executor
 
-pytestmark = pytest.mark.slow  # ~6 min alone on a fresh machine (plain eager's sweep: ~35 s), mostly compiling fused runs
+# ~6 min alone on a fresh machine (plain eager's sweep: ~35 s), mostly compiling fused runs
+pytestmark = pytest.mark.slow
 
 DTYPES = (torch.float32, torch.bfloat16)  # test_opinfo's
 
