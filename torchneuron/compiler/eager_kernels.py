@@ -79,8 +79,8 @@ def _compile_with_float_arguments(traced: Callable[..., tuple], example_inputs: 
     write_inputs_last(gm, n_inputs)
     with tracing(TracingContext(fake_mode)):
         runner = compile_graph(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])
-    assumptions = [str(g.expr) for g in shape_env.guards] + [str(a.expr) for asserts in
-                                                               shape_env.deferred_runtime_asserts.values() for a in asserts]
+    deferred = [a for asserts in shape_env.deferred_runtime_asserts.values() for a in asserts]
+    assumptions = [str(g.expr) for g in shape_env.guards] + [str(a.expr) for a in deferred]
     if assumptions or shape_env.replacements:
         raise NotImplementedError(f"the fused program assumes values of its float arguments "
                                   f"({assumptions or shape_env.replacements})")

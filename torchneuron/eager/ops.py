@@ -96,7 +96,8 @@ def _kind_of(func: torch._ops.OpOverload) -> OpInfo:
         return OpInfo(VIEW)
     if base in ALLOCATORS and not schema.is_mutable:  # not their out= overloads
         return OpInfo(ALLOCATE)
-    random = (torch.Tag.nondeterministic_seeded in func.tags and base not in NEVER_RANDOM) or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
+    seeded = torch.Tag.nondeterministic_seeded in func.tags and base not in NEVER_RANDOM
+    random = seeded or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
         or any(str(a.type).startswith("Generator") for a in schema.arguments)
     if random or base in NEVER_QUEUED or torch.Tag.inplace_view in func.tags \
             or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags \
