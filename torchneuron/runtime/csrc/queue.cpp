@@ -293,15 +293,19 @@ enum class Relation {
   kUnrelated,  // over queued memory, but neither: a fused program could not tell its reads apart
   kExternal,   // not over queued memory
 };
-std::pair<Relation, const Tensor*> relate(const Tensor& t) {
+// relate() of a tensor known not to be a queued output or view (ref_of has looked it up already).
+std::pair<Relation, const Tensor*> relate_unrecorded(const Tensor& t) {
   Queue& q = g_queue;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (q.local.count(impl)) return {Relation::kQueued, nullptr};
   auto base = q.bases.find(storage_of(t));
   if (base == q.bases.end()) return {Relation::kExternal, nullptr};
   if (base->second.unsafeGetTensorImpl() == impl) return {Relation::kQueued, nullptr};
   const Tensor* twin = twin_of(t);
   return {twin ? Relation::kTwin : Relation::kUnrelated, twin};
+}
+std::pair<Relation, const Tensor*> relate(const Tensor& t) {
+  if (g_queue.local.count(t.unsafeGetTensorImpl())) return {Relation::kQueued, nullptr};
+  return relate_unrecorded(t);
 }
 
 // A tensor over queued memory that no recorded op or view made, unless it is the very tensor
@@ -331,7 +335,7 @@ int64_t ref_of(const Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   auto found = q.local.find(impl);
   if (found != q.local.end()) return found->second;
-  const auto [relation, twin] = relate(t);
+  const auto [relation, twin] = relate_unrecorded(t);
   if (relation == Relation::kTwin) {
     Tensor base_tensor = *twin;
     const int64_t base_ref = ref_of(base_tensor);
