@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CSRC := $(wildcard torchneuron/runtime/csrc/*.cpp torchneuron/runtime/csrc/*.h)
 PYTEST_ARGS ?=
+# test modules spread over this many processes (pytest-xdist); slow ones start first (tests/conftest.py)
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope
 
 .PHONY: install demo test test-fast bench clean
 
@@ -24,10 +27,10 @@ demo: install
 	$(VENV)/bin/torchneuron demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not multiprocess" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow and not multiprocess" $(PYTEST_ARGS)
 
 bench: install
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -1,4 +1,5 @@
-"""Shared fixtures: the neuron device is registered by `import torch` (entry point) or here."""
+"""Shared fixtures (the neuron device is registered by `import torch`, an entry point, or here)
+and the order tests run in."""
 import pytest
 import torch
 
@@ -14,3 +15,10 @@ def neuron() -> torch.device:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first: `make test` spreads test modules over two workers (pytest-xdist,
+    `--dist loadscope`) in this order, so the long OpInfo gates start at once instead of
+    leaving one worker busy at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -36,6 +36,7 @@ class SweepResult:
     samples_failed: int = 0
     samples_without_reference: int = 0
     ops_run: int = 0
+    keys: list[str] = field(default_factory=list)  # the "op.variant/dtype" entries run, in order
     failures: dict[str, str] = field(default_factory=dict)  # "op.variant/dtype" -> first error
 
     @property
@@ -119,6 +120,7 @@ def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None,
             key = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}/{str(dtype)[6:]}"
             grad = op.supports_autograd
             result.ops_run += 1
+            result.keys.append(key)
             signal.alarm(per_op_seconds)
             try:
                 samples = op.sample_inputs("cpu", dtype, requires_grad=grad)
