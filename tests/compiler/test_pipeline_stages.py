@@ -8,7 +8,7 @@ from torchneuron.compiler import passes
 from torchneuron.compiler.cost import eager_cost, kernel_cost, plan_costs
 from torchneuron.compiler.fusion import build_kernels, fuse
 from torchneuron.compiler.partition import CPU, DEVICE, HOST, partition
-from torchneuron.compiler.plan import GraphPlan
+from torchneuron.compiler.plan import GraphPlan, TensorSpec
 from torchneuron.hardware.model import launch_cost
 from torchneuron.ops import policy
 
@@ -149,7 +149,7 @@ def plan_of(fn, *args) -> GraphPlan:
     return GraphPlan("test", 0, build_kernels(fuse(gm, placements), placements))
 
 
-def test_matmul_epilogue_and_softmax_each_fuse_into_one_kernel():
+def test_matmul_epilogue_and_the_softmax_of_its_result_fuse_into_one_kernel():
     def fn(x, w, b):
         h = torch.relu(x @ w + b)                  # matmul + bias + activation
         return torch.softmax(h, dim=-1) * 2        # max, sub, exp, sum, div + scale
@@ -157,13 +157,41 @@ def test_matmul_epilogue_and_softmax_each_fuse_into_one_kernel():
     x, w, b = (torch.randn(64, 128, device="neuron"), torch.randn(128, 256, device="neuron"),
                torch.randn(256, device="neuron"))
     plan = plan_of(fn, x, w, b)
-    kinds = [k.kind for k in plan.kernels]
-    assert kinds == ["matmul", "reduction"], kinds
-    matmul, softmax = plan.kernels
-    assert {o.op.split("::")[1].split(".")[0] for o in matmul.ops} >= {"mm", "add", "relu"}
-    # HBM traffic of a fused kernel is its boundary only: x, w, b in; h out (read by softmax)
-    assert len(matmul.reads) == 3 and len(matmul.writes) == 1
-    assert len(softmax.reads) == 1 and len(softmax.writes) == 1
+    assert [k.kind for k in plan.kernels] == ["matmul"]
+    (kernel,) = plan.kernels
+    assert {o.op.split("::")[1].split(".")[0] for o in kernel.ops} >= {"mm", "add", "relu", "_softmax", "mul"}
+    # HBM traffic of a fused kernel is its boundary only: x, w, b in; the result out
+    assert len(kernel.reads) == 3 and len(kernel.writes) == 1
+
+
+def test_a_norm_fuses_into_the_matmul_it_feeds_but_chained_matmuls_do_not():
+    def fn(x, w1, w2):
+        h = torch.nn.functional.layer_norm(x, (64,)) @ w1   # norm prologue + projection
+        return torch.relu(h) @ w2                           # a matmul of a matmul's result
+
+    x, w1, w2 = (torch.randn(32, 64, device="neuron"), torch.randn(64, 128, device="neuron"),
+                 torch.randn(128, 64, device="neuron"))
+    plan = plan_of(fn, x, w1, w2)
+    first, second = plan.kernels
+    assert {"aten::native_layer_norm", "aten::mm", "aten::relu"} <= {o.op for o in first.ops}
+    assert [o.op for o in second.ops] == ["aten::mm"]
+
+
+def test_a_linear_backward_is_one_kernel_loading_the_output_gradient_once():
+    x = torch.randn(32, 64, device="neuron", requires_grad=True)
+    w = torch.randn(128, 64, device="neuron", requires_grad=True)
+    b = torch.randn(128, device="neuron", requires_grad=True)
+    grad = torch.randn(32, 128, device="neuron")
+
+    def backward(x, w, b, grad):
+        return torch.autograd.grad(torch.nn.functional.linear(x, w, b), (x, w, b), grad)
+
+    plan = plan_of(backward, x, w, b, grad)
+    matmuls = [k for k in plan.kernels if any(o.op == "aten::mm" for o in k.ops)]
+    assert len(matmuls) == 1, [[o.op for o in k.ops] for k in plan.kernels]
+    ops = [o.op for o in matmuls[0].ops]
+    assert ops.count("aten::mm") == 2 and "aten::sum.dim_IntList" in ops  # dX, dW and db
+    assert TensorSpec("float32", (32, 128)) in matmuls[0].reads
 
 
 def test_fused_plan_is_cheaper_than_eager_and_pays_one_launch_per_kernel():

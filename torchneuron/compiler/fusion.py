@@ -7,11 +7,16 @@ categories):
   their inputs: chains of pointwise ops, the prologue and epilogue of reductions (softmax,
   norms: statistics and normalisation in one pass over SBUF), and matmul epilogues (bias,
   activation, residual, cast on the PSUM result before it goes back to HBM);
-- reductions (sums, norms, softmax, losses) join a kernel of pointwise ops or reductions
-  over the same or a larger iteration space;
-- matmuls start a kernel (whose epilogue may follow); everything else (NKI kernels,
-  convolutions, gathers and scatters, sorts, random, optimizers, host fallbacks) is a kernel
-  of its own.
+- reductions (sums, norms, softmax, losses) join a kernel over the same or a larger
+  iteration space: of pointwise ops, of reductions, or of a matmul whose result tiles they
+  reduce (a norm's backward statistics) or whose input they read too (a bias gradient summed
+  from the output gradient the weight gradient's matmul loads);
+- matmuls join the kernel of their prologue (a norm or pointwise chain producing their input,
+  which they read from SBUF: norm + projection), or the kernel of another matmul or reduction
+  reading the same input (a linear layer's backward: input and weight gradients from one load
+  of the output gradient); a matmul of a matmul's result starts a kernel of its own;
+- everything else (NKI kernels, convolutions, gathers and scatters, sorts, random, host
+  fallbacks) is a kernel of its own.
 
 Pointwise ops without tensor inputs (fills, iotas, scalar constants) are generated inside the
 kernels that read them: they are no kernel and no HBM read. A copy writing a result back into
@@ -122,14 +127,16 @@ class _Grouper:
                 stack.append(succ)
         return False
 
-    def can_join(self, group: Group, node: Node, node_role: str, size: int, others: list[Group]) -> bool:
+    def can_join(self, group: Group, node_role: str, size: int, producers: list[Group]) -> bool:
+        """Whether a node of `node_role` and iteration `size`, reading the results of
+        `producers`, may join `group` (the module docstring's rules)."""
         if not group.open or group.placement != DEVICE or len(group.nodes) >= MAX_OPS:
             return False
-        if node_role == "reduction" and group.role == "matmul":
+        if node_role == "matmul" and group.role == "matmul" and group in producers:
+            return False  # a matmul of a matmul's result waits for its last accumulation
+        if node_role != "matmul" and size > group.size and group.role != "pointwise":
             return False
-        if size > group.size and group.role != "pointwise":
-            return False
-        return not any(other is not group and self.reaches(group, other) for other in others)
+        return not any(other is not group and self.reaches(group, other) for other in producers)
 
     def siblings(self, node: Node, inputs: list[Node], producers: list[Group]) -> list[Group]:
         """Kernels of earlier readers of `node`'s inputs (by their data, through views)."""
@@ -168,12 +175,12 @@ class _Grouper:
             if chosen is None:
                 chosen = self.nki_calls[call] = Group(len(self.groups), placement, "opaque", open=False)
                 self.groups.append(chosen)
-        elif node_role in ("pointwise", "reduction"):
+        elif node_role != "opaque":
             # a producer's kernel first; else a sibling's (another reader of the same data: the
             # statistics of a norm's backward are reductions of one input, read in one pass)
             candidates = sorted(producers, key=lambda g: -g.size) + self.siblings(node, inputs, producers)
             for group in candidates:
-                if self.can_join(group, node, node_role, size, producers):
+                if self.can_join(group, node_role, size, producers):
                     chosen = group
                     break
         if chosen is None:
@@ -181,8 +188,8 @@ class _Grouper:
             self.groups.append(chosen)
         chosen.nodes.append(node)
         chosen.size = max(chosen.size, size)
-        if node_role == "reduction" and chosen.role == "pointwise":
-            chosen.role = "reduction"
+        if node_role == "matmul" or (node_role == "reduction" and chosen.role == "pointwise"):
+            chosen.role = node_role
         self.group_of[node] = chosen
         for producer in producers:
             if producer is not chosen:
