@@ -202,6 +202,20 @@ def test_artifacts_are_written(fresh_dynamo, tmp_path, monkeypatch):
     assert "DeviceProgram.from_json" in (graphs[0] / "generated_code.py").read_text()
 
 
+def test_artifacts_are_complete_when_the_graph_is_in_the_caches(fresh_dynamo, tmp_path, monkeypatch):
+    def fn(x):
+        return (x @ x).relu() + 1
+
+    x = torch.randn(16, 16, device="neuron")
+    torch.compile(fn, backend="neuron")(x)  # now in the memory cache and Inductor's disk cache
+    torch._dynamo.reset()
+    monkeypatch.setenv("TORCHNEURON_COMPILE_DUMP_DIR", str(tmp_path))
+    torch.testing.assert_close(torch.compile(fn, backend="neuron")(x), fn(x))
+    graphs = [p for p in tmp_path.iterdir() if p.name.startswith("graph_")]
+    assert graphs, sorted(p.name for p in tmp_path.iterdir())
+    assert {"kernels.json", "cost.json", "generated_code.py"} <= set(os.listdir(graphs[0]))
+
+
 def test_memory_cache_skips_compilation_of_a_recaptured_graph(fresh_dynamo):
     x, y = inputs(7)
     cache.clear()

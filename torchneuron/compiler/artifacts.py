@@ -11,6 +11,9 @@ One directory per graph, `<dump dir>/<graph name>/`, with:
 | kernels.json | the kernel plan: each kernel's ops, HBM reads and writes |
 | cost.json | modeled cost per kernel on the current target, total, and the eager baseline |
 | generated_code.py | Inductor's generated host code (with the embedded plan) |
+
+While dumping, graphs bypass the compiled-graph caches (cache.py): a graph served from a cache
+is never planned, so it would leave no plan, cost or code behind.
 """
 from __future__ import annotations
 

@@ -116,10 +116,17 @@ def _compile(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]
     if config.dump_dir():
         artifacts.write(name, "dynamo_graph.txt", gm.print_readable(print_output=False))
         artifacts.write(name, "substitutions.json", substituted)
+    patches = {**INDUCTOR_PATCHES, **options}
+    aot_patches = {"force_non_lazy_backward_lowering": True}
+    if config.dump_dir() is not None:
+        # A graph served from the disk caches is never planned: while dumping, plan every graph
+        # anew so that its directory holds all of its artifacts.
+        patches["fx_graph_cache"] = False
+        aot_patches["enable_autograd_cache"] = False
     # Compilation runs ops on example inputs now and then; they are not the program's device work.
-    with functorch_config.patch(force_non_lazy_backward_lowering=True), cache.on_disk(), worklog_paused():
-        return compile_fx(gm, example_inputs, inner_compile=compile_graph,
-                          config_patches={**INDUCTOR_PATCHES, **options}, decompositions=for_compile_fx())
+    with functorch_config.patch(**aot_patches), cache.on_disk(), worklog_paused():
+        return compile_fx(gm, example_inputs, inner_compile=compile_graph, config_patches=patches,
+                          decompositions=for_compile_fx())
 
 
 def neuron_backend(gm: GraphModule, example_inputs: list[Any], *, mode: str | None = None,
@@ -130,7 +137,7 @@ def neuron_backend(gm: GraphModule, example_inputs: list[Any], *, mode: str | No
     register_inductor()
     _check_mode(mode)
     options = dict(options or {})
-    key = cache.graph_key(gm, example_inputs, options)
+    key = cache.graph_key(gm, example_inputs, options) if config.dump_dir() is None else None  # (see _compile)
     compiled = cache.lookup(key)
     if compiled is not None:
         return compiled
