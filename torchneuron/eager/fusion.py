@@ -28,6 +28,7 @@ aliasing. Programs come from the kernel compiler the compiler package registers
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -210,6 +211,11 @@ class _Steps:
     n_inputs: int
     n_outputs: int
 
+    @functools.cached_property
+    def computing(self) -> int:
+        """Steps that compute (not views): the ops a run of the program counts."""
+        return sum(not step[3] for step in self.steps)
+
 
 def program_steps(run: _Run) -> _Steps:
     """The replayable form of a run (needs its entries' arguments; independent of liveness)."""
@@ -389,7 +395,7 @@ class Executor:
             runner = self._compile(kernel, floats, mask, tensors, values)
         live = sum(mask)
         runner([*tensors, *values] if values else tensors)
-        computed = sum(not step[3] for step in kernel.program.steps)
+        computed = kernel.program.computing
         if kernel.failed:
             self.stats["eager_ops"] += computed
             return
