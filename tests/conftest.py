@@ -1,7 +1,14 @@
 """Shared fixtures (the neuron device is registered by `import torch`, an entry point, or here)
 and the order tests run in."""
-import pytest
-import torch
+import os
+
+# `make test` runs two test processes on two cores: each compiles Inductor's C++ in process rather
+# than through a pool of compile subprocesses of its own (~10% faster here). Set before torch loads
+# Inductor's config.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import torchneuron  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
 

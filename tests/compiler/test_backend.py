@@ -251,6 +251,7 @@ def test_disk_cache_serves_a_second_process(tmp_path):
 
     env = {**os.environ, "TORCHNEURON_COMPILE_CACHE_DIR": str(tmp_path)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)  # Inductor's default: a pool of compile subprocesses
     runs = [subprocess.run([sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     for run in runs:

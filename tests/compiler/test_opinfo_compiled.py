@@ -9,14 +9,12 @@ which it compiles nothing at all are listed (RUN_EAGERLY), so the sweep cannot s
 mode. Each op gets a code object of its own (Dynamo's caches and recompile limits are per op), and
 Dynamo is reset only around the whole sweep.
 
-The whole op_db takes about 5 min on two cores (float32, one sample per op, forward; 7 min with
-two samples, 9 min with backward), so the gate covers a subset that takes about 3 min: every
-pointwise (unary and binary ufunc) and reduction OpInfo but torch.special's and a few other
-spellings (UFUNCS_LEFT_OUT), plus the matmul, normalisation, indexing, layout and nn ops named
-below; one sample each (two for the ops whose second sample found a bug), float32, forward; and a
-few ops in bfloat16 (BF16) and with their backward (GRAD). Its failures must be exactly
-COMPILED_KNOWN_FAILURES: bugs of the neuron compiler, limitations Inductor has on the CPU too
-(upstream), and what fails eagerly already; a new failure or a fixed one fails the test.
+The gate is the whole op_db: one sample per op (two for the ops whose second sample found a bug),
+float32, forward; and a few ops in bfloat16 (BF16) and with their backward (GRAD). It takes about
+6 min of one core on a cold Inductor cache, in two shards of op names (test classes that
+`make test` runs on different workers). Its failures must be exactly COMPILED_KNOWN_FAILURES: bugs of
+the neuron compiler, limitations Inductor has on the CPU too (upstream), and what fails eagerly
+already; a new failure or a fixed one fails the test.
 
 Run as a script for the whole op_db (or some ops), with a report:
     python -m tests.compiler.test_opinfo_compiled [--dtype bfloat16] [--samples 2] [--grad] [--ops a,b]
@@ -37,7 +35,8 @@ from torch.utils._pytree import tree_leaves
 from tests.ops import opinfo_sweep
 from tests.ops.test_opinfo import KNOWN_FAILURES as EAGER_KNOWN_FAILURES
 
-pytestmark = pytest.mark.slow  # ~3 min on two cores (conftest.py: a cold Inductor cache per session)
+pytestmark = pytest.mark.slow  # ~3 min per shard (conftest.py: a cold Inductor cache per session)
+SHARDS = 2
 
 # ---------------------------------------------------------------------------------------------
 # The compiled sweep
@@ -169,50 +168,18 @@ def compiled_sweep(dtypes=(torch.float32,), names=None, samples=1, grad_ops=froz
 
 
 # ---------------------------------------------------------------------------------------------
-# The gate's subset
+# The gate's extra samples, dtypes and backward
 # ---------------------------------------------------------------------------------------------
 
-MATMUL = """__rmatmul__ addbmm addmm addmv addr baddbmm bmm dot einsum inner kron linalg.multi_dot linalg.vecdot
-    matmul mm mv nn.functional.bilinear nn.functional.linear outer tensordot vdot"""
-NORM = """_batch_norm_with_update _native_batch_norm_legit linalg.norm log_softmax logsumexp
-    native_batch_norm native_group_norm native_layer_norm nn.functional.batch_norm nn.functional.group_norm
-    nn.functional.instance_norm nn.functional.layer_norm nn.functional.local_response_norm nn.functional.normalize
-    nn.functional.rms_norm nn.functional.softmin renorm softmax"""
-INDEXING = """__getitem__ _unsafe_masked_index _unsafe_masked_index_put_accumulate as_strided as_strided_scatter
-    bucketize diagonal diagonal_scatter gather index_add index_copy index_fill index_put index_reduce index_select
-    masked_fill masked_scatter masked_select narrow nn.functional.embedding nonzero nonzero_static put scatter
-    scatter_add scatter_reduce searchsorted select select_scatter slice slice_scatter take take_along_dim
-    tensor_split where"""
-LAYOUT = "cat constant_pad_nd flip repeat roll tril"  # (views alone compile to no kernel)
-NN = """addcdiv addcmul argsort clamp cumprod cumsum lerp nn.functional.adaptive_avg_pool2d nn.functional.avg_pool2d
-    nn.functional.binary_cross_entropy nn.functional.conv1d nn.functional.conv2d nn.functional.conv3d
-    nn.functional.conv_transpose1d nn.functional.conv_transpose2d nn.functional.conv_transpose3d
-    nn.functional.cross_entropy nn.functional.gelu nn.functional.glu nn.functional.hardswish nn.functional.leaky_relu
-    nn.functional.max_pool2d nn.functional.mse_loss nn.functional.nll_loss sort topk"""
 RANDOM = "bernoulli nn.functional.dropout normal uniform"  # run under freeze_rng_state (torch.neuron's RNG)
 # Two samples: the second is the one that found a bug (batch norm in eval mode; Dynamo tracing
-# torch.neuron.set_rng_state under no_dispatch(), fixed by 30509b4). The convolutions of NN
-# found the channels_last stride mismatch fixed by e934a9c.
+# torch.neuron.set_rng_state under no_dispatch(), fixed by 30509b4).
 TWO_SAMPLES = {"native_batch_norm", "_native_batch_norm_legit", *RANDOM.split()}
 # bfloat16 and backward, for a few ops of each kind (~20 s more).
 BF16 = """add mm softmax nn.functional.layer_norm native_layer_norm native_batch_norm _native_batch_norm_legit
     _batch_norm_with_update grid_sampler_2d nn.functional.grid_sample"""
 GRAD = """add mul exp sum mm addmm softmax nn.functional.layer_norm nn.functional.gelu nn.functional.conv2d
     nn.functional.cross_entropy index_select gather"""
-# Ufuncs left out (for time): other spellings of covered ops, special functions, and conversions to
-# dtypes the NeuronCore lacks (host ops).
-UFUNCS_LEFT_OUT = """__radd__ __rand__ __rdiv__ __rmod__ __rmul__ __ror__ __rpow__ __rsub__ __rxor__ rsub true_divide
-    positive conj_physical polygamma mvlgamma i0 igamma igammac cdouble cfloat chalf double"""
-
-
-def subset() -> set[str]:
-    from torch.testing._internal.opinfo.core import BinaryUfuncInfo, ReductionOpInfo, UnaryUfuncInfo
-
-    left_out = set(UFUNCS_LEFT_OUT.split())
-    ufuncs = {op.name for op in opinfo_sweep.op_db
-              if isinstance(op, (UnaryUfuncInfo, BinaryUfuncInfo, ReductionOpInfo)) and op.name not in left_out
-              and not op.name.startswith(("special.", "masked.", "jiterator_"))}
-    return ufuncs | set(" ".join((MATMUL, NORM, INDEXING, LAYOUT, NN, RANDOM)).split())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,29 +206,55 @@ UPSTREAM_LIMITATIONS = {
     "grid_sampler_2d/bfloat16": "Inductor's bf16 decomposition rounds intermediates (same on CPU)",
     "nn.functional.grid_sample/bfloat16": "Inductor's bf16 decomposition rounds intermediates (same on CPU)",
 }
-# Failures of the eager sweep too (tests/ops/test_opinfo.py's KNOWN_FAILURES), for the same reason.
-ALSO_EAGER = {key: EAGER_KNOWN_FAILURES[key] for key in ("tensor_split/float32",)}
+# Failures of the eager sweep too (tests/ops/test_opinfo.py's KNOWN_FAILURES), for the same reason,
+# in float32 (the sweep's bfloat16 ops are only BF16's). as_strided.partial_views passes compiled; why
+# the eager sweep's artifact does not arise there is not examined.
+ALSO_EAGER = {key: cause for key, cause in EAGER_KNOWN_FAILURES.items()
+              if key.endswith("/float32") and key not in ("as_strided.partial_views/float32",)}
 COMPILED_KNOWN_FAILURES = {**NEURON_BUGS, **UPSTREAM_LIMITATIONS, **ALSO_EAGER}
 
-# Ops of the subset for which Dynamo hands no graph to the backend (they run eagerly): the rest
-# must compile, or the sweep would silently test eager mode.
+# Ops for which Dynamo hands no graph to the backend (they run eagerly): the rest must compile, or
+# the sweep would silently test eager mode.
+_NO_TENSOR_ARGUMENT = "no tensor argument: the sweep's device call is its CPU call"
+_RANDOM = "wrapped in OpInfo's wrapper_set_seed (freeze_rng_state), which Dynamo does not trace"
+_DATA_DEPENDENT_SHAPE = "data-dependent output shape: graph break"
+_DATA_DEPENDENT_VALUE = "a Python value computed from tensor data: graph break"
 RUN_EAGERLY = {
-    "masked_select": "data-dependent output shape: graph break",
-    "nonzero": "data-dependent output shape: graph break",
-    "tensor_split": "fails while tracing (index tensor on neuron, as eagerly)",
-    # OpInfo runs random ops under freeze_rng_state(), which Dynamo does not trace (no_dispatch(),
-    # torch.neuron's RNG state functions): the wrapped op runs eagerly.
-    **{name: "random op under freeze_rng_state: graph breaks" for name in (
-        "bernoulli", "nn.functional.dropout", "nn.functional.rrelu", "normal", "normal.in_place",
-        "normal.number_mean", "uniform")},
+    **{name: _NO_TENSOR_ARGUMENT for name in (
+        "arange", "broadcast_shapes", "empty", "empty_permuted", "empty_strided", "eye", "full", "linspace",
+        "logspace", "ones", "randint", "randn", "scalar_tensor", "zeros", "signal.windows.bartlett",
+        "signal.windows.blackman", "signal.windows.cosine", "signal.windows.exponential",
+        "signal.windows.gaussian", "signal.windows.general_cosine", "signal.windows.general_hamming",
+        "signal.windows.hamming", "signal.windows.hann", "signal.windows.kaiser", "signal.windows.nuttall")},
+    **{name: _RANDOM for name in (
+        "bernoulli", "cauchy", "exponential", "geometric", "item", "log_normal", "multinomial",
+        "nn.functional.alpha_dropout", "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+        "nn.functional.feature_alpha_dropout.with_train", "nn.functional.feature_alpha_dropout.without_train",
+        "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
+        "nn.functional.multi_head_attention_forward", "nn.functional.rrelu",
+        "nn.functional.scaled_dot_product_attention", "normal", "normal.in_place", "normal.number_mean",
+        "pca_lowrank", "rand_like", "randint_like", "randn_like", "svd_lowrank", "uniform")},
+    **{name: _DATA_DEPENDENT_SHAPE for name in (
+        "argwhere", "combinations", "linalg.lstsq", "linalg.lstsq.grad_oriented", "masked_select",
+        "nn.functional.ctc_loss", "nonzero", "unique", "unique_consecutive")},
+    **{name: _DATA_DEPENDENT_VALUE for name in (
+        "allclose", "corrcoef", "cov", "equal", "nn.functional.gaussian_nll_loss")},
+    "resize_": "Dynamo does not trace Tensor.resize_",
+    "resize_as_": "Dynamo does not trace Tensor.resize_as_",
+    **{name: "fails eagerly too (ALSO_EAGER)" for name in (
+        "jiterator_2inputs_2outputs", "jiterator_4inputs_with_extra_args", "jiterator_binary",
+        "jiterator_binary_return_by_ref", "jiterator_unary", "sparse.mm.reduce", "sparse.sampled_addmm",
+        "tensor_split", "to_sparse")},
 }
 
 
-def run_gate_sweep() -> opinfo_sweep.SweepResult:
-    """The gate's sweeps (float32 subset; bfloat16; backward), merged into one result."""
+def run_gate_sweep(names: set[str]) -> opinfo_sweep.SweepResult:
+    """The gate's sweeps of the ops `names` (float32; bfloat16 for BF16; backward for GRAD), merged
+    into one result."""
     samples = lambda op: 2 if op.name in TWO_SAMPLES else 1  # noqa: E731
-    parts = [compiled_sweep((torch.float32,), subset(), samples, grad_ops=set(GRAD.split())),
-             compiled_sweep((torch.bfloat16,), set(BF16.split()), samples)]
+    parts = [compiled_sweep((torch.float32,), names, samples, grad_ops=set(GRAD.split()) & names)]
+    if set(BF16.split()) & names:
+        parts.append(compiled_sweep((torch.bfloat16,), set(BF16.split()) & names, samples))
     result = opinfo_sweep.SweepResult()
     result.graphs, result.seconds = {}, 0.0
     for part in parts:
@@ -276,47 +269,68 @@ def run_gate_sweep() -> opinfo_sweep.SweepResult:
     return result
 
 
-@pytest.fixture(scope="module")
-def result():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("TORCHNEURON_COMPILE_FALLBACK", raising=False)  # a failure must fail, not run eagerly
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        try:
-            yield run_gate_sweep()
-        finally:
+def expected_runs(names: set[str]) -> int:
+    """(op, dtype) entries the gate's sweeps of `names` run."""
+    swept = ((torch.float32, names), (torch.bfloat16, set(BF16.split()) & names))
+    return sum(1 for op in opinfo_sweep.op_db for dtype, chosen in swept
+               if op.name in chosen and dtype in op.supported_dtypes("cpu"))
+
+
+class _CompiledGate:
+    """The gate's checks on one shard of the op database."""
+
+    shard: int
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def result(cls):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.delenv("TORCHNEURON_COMPILE_FALLBACK", raising=False)  # a failure must fail, not run eagerly
             torch._dynamo.reset()
+            torch.manual_seed(0)
+            try:
+                yield run_gate_sweep(opinfo_sweep.shard_names(cls.shard, SHARDS))
+            finally:
+                torch._dynamo.reset()
+
+    def test_failures_are_exactly_the_known_issues(self, result):
+        ran = set(result.keys)
+        new = {k: v for k, v in result.failures.items() if k not in COMPILED_KNOWN_FAILURES}
+        fixed = sorted(k for k in COMPILED_KNOWN_FAILURES if k in ran and k not in result.failures)
+        assert not new, f"new failures under torch.compile(backend='neuron'): {new}"
+        assert not fixed, f"known failures now pass, remove them from COMPILED_KNOWN_FAILURES: {fixed}"
+
+    def test_every_op_compiles_but_the_listed_ones(self, result):
+        eager = sorted(k for k, graphs in result.graphs.items() if graphs == 0)
+        assert eager == sorted(k for k in RUN_EAGERLY if k in result.graphs), f"ops that compiled no graph: {eager}"
+
+    def test_every_op_of_the_shard_ran(self, result):
+        assert result.ops_run == expected_runs(opinfo_sweep.shard_names(self.shard, SHARDS))
 
 
-def test_failures_are_exactly_the_known_issues(result):
-    new = {k: v for k, v in result.failures.items() if k not in COMPILED_KNOWN_FAILURES}
-    fixed = sorted(k for k in COMPILED_KNOWN_FAILURES if k not in result.failures)
-    assert not new, f"new failures under torch.compile(backend='neuron'): {new}"
-    assert not fixed, f"known failures now pass, remove them from COMPILED_KNOWN_FAILURES: {fixed}"
+class TestShard0(_CompiledGate):
+    shard = 0
 
 
-def test_the_subset_is_compiled(result):
-    eager = sorted(k for k, graphs in result.graphs.items() if graphs == 0)
-    assert eager == sorted(RUN_EAGERLY), f"ops that compiled no graph: {eager}"
+class TestShard1(_CompiledGate):
+    shard = 1
 
 
-def test_every_op_of_the_subset_ran(result):
-    swept = ((torch.float32, subset()), (torch.bfloat16, set(BF16.split())))
-    expected = sum(1 for op in opinfo_sweep.op_db for dtype, names in swept
-                   if op.name in names and dtype in op.supported_dtypes("cpu"))
-    assert result.ops_run == expected
+def test_every_listed_op_exists():
+    keys = {op.name + (f".{op.variant_test_name}" if op.variant_test_name else "") for op in opinfo_sweep.op_db}
+    assert set(RUN_EAGERLY) <= keys
+    assert {k.rsplit("/", 1)[0] for k in COMPILED_KNOWN_FAILURES} <= keys
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all of op_db)")
-    parser.add_argument("--subset", action="store_true", help="the gate's float32 subset instead of all ops")
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--grad", action="store_true", help="also check the backward of every op")
     args = parser.parse_args(argv)
     dtypes = tuple(getattr(torch, d) for d in (args.dtype or ["float32"]))
-    names = set(filter(None, args.ops.split(","))) or (subset() if args.subset else None)
+    names = set(filter(None, args.ops.split(","))) or None
     grad_ops = {op.name for op in opinfo_sweep.op_db} if args.grad else frozenset()
     os.environ.pop("TORCHNEURON_COMPILE_FALLBACK", None)
     start = time.time()

@@ -106,6 +106,13 @@ def check_sample(op, sample, dtype: torch.dtype, grad: bool) -> None:
                  atol=1e-3 if dtype == torch.float32 else 5e-2, rtol=1e-3 if dtype == torch.float32 else 5e-2)
 
 
+def shard_names(shard: int, shards: int) -> set[str]:
+    """Every `shards`-th OpInfo name of op_db, starting at `shard`: a sweep split into test classes
+    that `make test` (pytest-xdist, --dist loadscope) runs on different workers. Names are taken in
+    op_db order, so that slow and fast families spread over the shards."""
+    return set(list(dict.fromkeys(op.name for op in op_db))[shard::shards])
+
+
 def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None, per_op_seconds: int = 30,
           progress=None) -> SweepResult:
     result = SweepResult()

@@ -6,7 +6,7 @@ with its cause; a new failure or a fixed known issue both fail this test, so the
 import pytest
 import torch
 
-from tests.ops.opinfo_sweep import sweep
+from tests.ops.opinfo_sweep import shard_names, sweep
 
 KNOWN_FAILURES = {
     # Jiterator ops are CUDA/ROCm-only by design (they compile CUDA source at run time).
@@ -58,3 +58,10 @@ def test_failures_are_exactly_the_known_issues(result):
     fixed = sorted(k for k in KNOWN_FAILURES if k not in result.failures)
     assert not new, f"new OpInfo failures: {new}"
     assert not fixed, f"known failures now pass, remove them from KNOWN_FAILURES: {fixed}"
+
+
+def test_shards_cover_the_op_database_once():
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    shards = [shard_names(i, 2) for i in range(2)]
+    assert shards[0] | shards[1] == {op.name for op in op_db} and not shards[0] & shards[1]
