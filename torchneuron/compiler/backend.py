@@ -113,12 +113,11 @@ def _compile(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]
 
     name = f"dynamo_graph_{next(_graph_ids)}"
     substituted = patterns.substitute(gm)
+    patches = {**INDUCTOR_PATCHES, **options}
+    aot_patches = {"force_non_lazy_backward_lowering": True}
     if config.dump_dir():
         artifacts.write(name, "dynamo_graph.txt", gm.print_readable(print_output=False))
         artifacts.write(name, "substitutions.json", substituted)
-    patches = {**INDUCTOR_PATCHES, **options}
-    aot_patches = {"force_non_lazy_backward_lowering": True}
-    if config.dump_dir() is not None:
         # A graph served from the disk caches is never planned: while dumping, plan every graph
         # anew so that its directory holds all of its artifacts.
         patches["fx_graph_cache"] = False
@@ -137,7 +136,7 @@ def neuron_backend(gm: GraphModule, example_inputs: list[Any], *, mode: str | No
     register_inductor()
     _check_mode(mode)
     options = dict(options or {})
-    key = cache.graph_key(gm, example_inputs, options) if config.dump_dir() is None else None  # (see _compile)
+    key = None if config.dump_dir() else cache.graph_key(gm, example_inputs, options)  # (see _compile)
     compiled = cache.lookup(key)
     if compiled is not None:
         return compiled
