@@ -71,7 +71,7 @@ class CompiledOp:
 
     def __init__(self, op, backend: str = "neuron"):
         self.op, self.name = op, op.name
-        self.key = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+        self.key = opinfo_sweep.op_key(op)
         self.graphs = 0  # graphs with ops Dynamo handed to the backend (0: the op ran eagerly)
         namespace = {"op": op.op}  # a code object of its own: Dynamo caches frames per code object
         exec(compile("def run(*args, **kwargs):\n    return op(*args, **kwargs)\n", f"<compiled {self.key}>", "exec"),
@@ -261,7 +261,7 @@ def run_gate_sweep(names: set[str]) -> opinfo_sweep.SweepResult:
         result.samples_passed += part.samples_passed
         result.samples_failed += part.samples_failed
         result.samples_without_reference += part.samples_without_reference
-        result.ops_run += part.ops_run
+        result.keys.extend(part.keys)
         result.failures.update(part.failures)
         for key, graphs in part.graphs.items():
             result.graphs[key] = result.graphs.get(key, 0) + graphs
@@ -317,7 +317,7 @@ class TestShard1(_CompiledGate):
 
 
 def test_every_listed_op_exists():
-    keys = {op.name + (f".{op.variant_test_name}" if op.variant_test_name else "") for op in opinfo_sweep.op_db}
+    keys = {opinfo_sweep.op_key(op) for op in opinfo_sweep.op_db}
     assert set(RUN_EAGERLY) <= keys
     assert {k.rsplit("/", 1)[0] for k in COMPILED_KNOWN_FAILURES} <= keys
 

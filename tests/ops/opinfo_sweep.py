@@ -35,9 +35,12 @@ class SweepResult:
     samples_passed: int = 0
     samples_failed: int = 0
     samples_without_reference: int = 0
-    ops_run: int = 0
     keys: list[str] = field(default_factory=list)  # the "op.variant/dtype" entries run, in order
     failures: dict[str, str] = field(default_factory=dict)  # "op.variant/dtype" -> first error
+
+    @property
+    def ops_run(self) -> int:
+        return len(self.keys)
 
     @property
     def pass_rate(self) -> float:
@@ -106,6 +109,11 @@ def check_sample(op, sample, dtype: torch.dtype, grad: bool) -> None:
                  atol=1e-3 if dtype == torch.float32 else 5e-2, rtol=1e-3 if dtype == torch.float32 else 5e-2)
 
 
+def op_key(op) -> str:
+    """"op.variant" of an OpInfo (its name alone when it has no variant)."""
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
 def shard_names(shard: int, shards: int) -> set[str]:
     """Every `shards`-th OpInfo name of op_db, starting at `shard`: a sweep split into test classes
     that `make test` (pytest-xdist, --dist loadscope) runs on different workers. Names are taken in
@@ -124,9 +132,8 @@ def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None,
         for dtype in dtypes:
             if dtype not in op.supported_dtypes("cpu"):
                 continue
-            key = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}/{str(dtype)[6:]}"
+            key = f"{op_key(op)}/{str(dtype)[6:]}"
             grad = op.supports_autograd
-            result.ops_run += 1
             result.keys.append(key)
             signal.alarm(per_op_seconds)
             try:
