@@ -194,6 +194,21 @@ def test_a_linear_backward_is_one_kernel_loading_the_output_gradient_once():
     assert TensorSpec("float32", (32, 128)) in matmuls[0].reads
 
 
+def test_tensors_of_symbolic_scalars_are_generated_in_the_kernel_reading_them():
+    """A 0-d tensor of a symbolic scalar (adaptive eager's float arguments, a size) is no kernel and
+    no HBM read: a multi-tensor update scaled by one per tensor is one kernel."""
+    def fn(x, y):
+        scale = x.shape[0] * 0.5
+        scalars = [torch.full((), scale, dtype=t.dtype, device=t.device) for t in (x, y)]
+        return torch._foreach_mul([x, y], scalars)
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(8, 4, device="neuron"), torch.randn(16, device="neuron"))
+    placements = partition(gm)
+    plan = GraphPlan("test", 0, build_kernels(fuse(gm, placements), placements))
+    assert [[o.op for o in k.ops] for k in plan.kernels] == [["aten::_foreach_mul.List"]]
+    assert len(plan.kernels[0].reads) == 2
+
+
 def test_fused_plan_is_cheaper_than_eager_and_pays_one_launch_per_kernel():
     def fn(x):
         return ((x.sin() * 2 + 1).exp() - x).relu()

@@ -1,6 +1,8 @@
 """Adaptive eager on the edge cases that once broke it: ops whose meta kernel or out= variant
 disagrees with the device kernel, undefined outputs, runs that clone an input and then mutate
 it, bfloat16 rounding inside fused runs, and host-only ZeroTensors under the global mode."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -252,3 +254,51 @@ def test_a_program_branching_on_a_changing_float_splits_around_it(adaptive):
     after = eager.stats()
     assert after["fused_runs"] - before["fused_runs"] == 1   # x * 2 and x + 1
     assert after["eager_ops"] - before["eager_ops"] == 2     # lerp, and relu alone after it
+
+
+_SCALAR_LIST_OPS = {
+    "add": lambda ys, xs, s: torch._foreach_add(ys, s),
+    "sub": lambda ys, xs, s: torch._foreach_sub(ys, s),
+    "mul": lambda ys, xs, s: torch._foreach_mul(ys, s),
+    "div": lambda ys, xs, s: torch._foreach_div(ys, s),
+    "clamp_max": lambda ys, xs, s: torch._foreach_clamp_max(ys, s),
+    "maximum": lambda ys, xs, s: torch._foreach_maximum(ys, s),
+    "addcdiv": lambda ys, xs, s: torch._foreach_addcdiv(ys, xs, [x.abs() + 1 for x in xs], s),
+    "addcmul": lambda ys, xs, s: torch._foreach_addcmul(ys, xs, xs, s),
+    "pow": lambda ys, xs, s: torch._foreach_pow(torch._foreach_abs(ys), s),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_foreach_ops_over_changing_scalar_lists_round_like_eager(adaptive, dtype):
+    """An optimizer's bias corrections: a foreach op over a list of floats that change every step.
+    The programs take the floats as arguments and reproduce eager's results bit for bit; in float32
+    the ops Inductor cannot lower this way (division, addcdiv, ...) are turned into ones it fuses, so
+    the program calls no foreach ATen op except addcmul and pow, whose eager kernels round
+    differently from anything a program computes."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 5, generator=g).to(dtype).to("neuron") for _ in range(3)]
+
+    def loop(iterations=6):
+        results = []
+        for i in range(iterations):
+            scalars = [1.0 + 0.1 * i + 0.01 * k for k in range(3)]
+            ys = [x * 2 for x in xs]
+            for op in _SCALAR_LIST_OPS.values():
+                ys = op(ys, xs, scalars)
+            results.append([y.cpu() for y in ys])
+        return results
+
+    eager.set_eager_mode("eager")
+    want = loop()
+    eager.set_eager_mode("adaptive")
+    got, programs = run_and_get_code(loop)
+    for g_step, w_step in zip(got, want):
+        for g_tensor, w_tensor in zip(g_step, w_step):
+            torch.testing.assert_close(g_tensor, w_tensor, atol=0, rtol=0)
+    assert programs, "the loop compiled no fused program"
+    if dtype == torch.float32:
+        called = {name for code in programs for name in re.findall(r"torch\.ops\.aten\.(_foreach_\w+)\.", code)}
+        assert called == {"_foreach_addcmul", "_foreach_pow"}

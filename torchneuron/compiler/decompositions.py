@@ -9,6 +9,12 @@ minus:
   (`KEEP_WHOLE`);
 - random decompositions: random ops stay the ops eager runs, drawing the same numbers from
   the device generator as eager does with the same seed (Inductor's `fallback_random`).
+
+Programs whose floats are arguments (adaptive eager's fused runs, `program_decompositions`) also
+turn foreach ops taking a list of scalars into their overloads taking a list of 0-d tensors,
+where that rounds as eager does: an optimizer's bias corrections arrive as such a list, and
+Inductor has no lowering for these overloads, so they would run as ATen calls, tensor by tensor,
+instead of fusing with the update around them.
 """
 from __future__ import annotations
 
@@ -40,6 +46,56 @@ def core_decompositions() -> dict[Any, Callable[..., Any]]:
     for op in KEEP_WHOLE:
         table.pop(op, None)
     return table
+
+
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def _scalar_tensors(tensors: list[torch.Tensor], scalars: list) -> list[torch.Tensor] | None:
+    """The scalars as 0-d tensors of the tensors' dtype, as ATen's kernels read them; None unless
+    every tensor is full-precision float (other dtypes round or promote a scalar differently)."""
+    if any(t.dtype not in _FULL_PRECISION for t in tensors):
+        return None
+    return [torch.full((), s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, scalars)]
+
+
+def _as_list_op(list_op: Any) -> Callable[..., Any]:
+    """`_foreach_<op>.ScalarList(tensors, scalars)` as `list_op(tensors, scalar_tensors)`."""
+    def decomposition(tensors: list[torch.Tensor], scalars: list) -> Any:
+        scalar_tensors = _scalar_tensors(tensors, scalars)
+        return NotImplemented if scalar_tensors is None else list_op(tensors, scalar_tensors)
+
+    return decomposition
+
+
+def _addcdiv(tensors: list[torch.Tensor], t1: list[torch.Tensor], t2: list[torch.Tensor], scalars: list) -> Any:
+    """ATen's CPU order, `self + value * t1 / t2` left to right (Inductor's lowering divides first)."""
+    scalar_tensors = _scalar_tensors(tensors, scalars)
+    if scalar_tensors is None:
+        return NotImplemented
+    return aten._foreach_add.List(tensors, aten._foreach_div.List(aten._foreach_mul.List(t1, scalar_tensors), t2))
+
+
+# ScalarList overloads (functional: programs are traced without mutations) on float32 and float64
+# tensors -> the List overloads, which Inductor fuses into one multi-tensor kernel. Not addcmul:
+# ATen's float32 kernel fuses its last multiply-add, which no ATen op expresses.
+_SCALAR_LIST_OPS: dict[Any, Callable[..., Any]] = {
+    aten._foreach_add.ScalarList: _as_list_op(aten._foreach_add.List),
+    aten._foreach_sub.ScalarList: _as_list_op(aten._foreach_sub.List),
+    aten._foreach_mul.ScalarList: _as_list_op(aten._foreach_mul.List),
+    aten._foreach_div.ScalarList: _as_list_op(aten._foreach_div.List),
+    aten._foreach_clamp_min.ScalarList: _as_list_op(aten._foreach_clamp_min.List),
+    aten._foreach_clamp_max.ScalarList: _as_list_op(aten._foreach_clamp_max.List),
+    aten._foreach_maximum.ScalarList: _as_list_op(aten._foreach_maximum.List),
+    aten._foreach_minimum.ScalarList: _as_list_op(aten._foreach_minimum.List),
+    aten._foreach_addcdiv.ScalarList: _addcdiv,
+}
+
+
+def program_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The table for programs taking floats as arguments: the core table, with foreach ops over
+    lists of scalars split per tensor (a fresh dict)."""
+    return {**core_decompositions(), **_SCALAR_LIST_OPS}
 
 
 def for_compile_fx() -> dict[Any, Callable[..., Any]] | None:

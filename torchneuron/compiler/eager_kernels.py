@@ -65,7 +65,7 @@ def _compile_with_float_arguments(traced: Callable[..., tuple], example_inputs: 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from torchneuron.compiler.backend import compile_graph
-    from torchneuron.compiler.decompositions import core_decompositions
+    from torchneuron.compiler.decompositions import program_decompositions
 
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
@@ -75,7 +75,7 @@ def _compile_with_float_arguments(traced: Callable[..., tuple], example_inputs: 
     shape_env.pending_fresh_unbacked_symbols.clear()  # inputs: bound by their placeholders, not by an op
     fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in example_inputs]
     with fake_mode:
-        gm = make_fx(traced, decomposition_table=core_decompositions())(*fakes, *floats)
+        gm = make_fx(traced, decomposition_table=program_decompositions())(*fakes, *floats)
     write_inputs_last(gm, n_inputs)
     with tracing(TracingContext(fake_mode)):
         runner = compile_graph(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])

@@ -18,8 +18,8 @@ categories):
 - everything else (NKI kernels, convolutions, gathers and scatters, sorts, random, host
   fallbacks) is a kernel of its own.
 
-Pointwise ops without tensor inputs (fills, iotas, scalar constants) are generated inside the
-kernels that read them: they are no kernel and no HBM read. A copy writing a result back into
+Pointwise ops without tensor inputs (fills, iotas, scalar constants, 0-d tensors of a program's
+float arguments) are generated inside the kernels that read them: they are no kernel and no HBM read. A copy writing a result back into
 a graph input (an input mutation) is that result's kernel writing to another address: it
 joins the kernel producing the result.
 
@@ -73,6 +73,10 @@ def role(node: Node) -> str:
     if category in MATMUL:
         return "matmul"
     return "opaque"
+
+
+def _is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _size(node: Node) -> int:
@@ -161,8 +165,8 @@ class _Grouper:
             return
         producers = [g for g in dict.fromkeys(self.source(a) for a in inputs) if g is not None]
         node_role = role(node) if placement == DEVICE else "opaque"
-        if placement == DEVICE and node_role == "pointwise" and not inputs:
-            node.meta[INLINE_META_KEY] = True   # a constant, generated where it is read
+        if placement == DEVICE and node_role == "pointwise" and not any(map(_is_tensor, inputs)):
+            node.meta[INLINE_META_KEY] = True   # a constant (of symbolic scalars too), generated where it is read
             return
         size = _size(node)
         chosen = None

@@ -55,17 +55,22 @@ VIEW_COPIES = frozenset(f"aten::{name}" for name in (
     "diagonal_copy", "split_copy", "split_with_sizes_copy", "unbind_copy", "narrow_copy", "detach_copy"))
 
 
+# Queries of a tensor's metadata: host arithmetic on sizes, no device work.
+SIZE_QUERIES = frozenset(f"aten::{name}" for name in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset"))
+_SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def is_transparent(node: Node) -> bool:
-    """Nodes that compute nothing: views (and functional copies of views), getitem of a
-    multi-output op."""
+    """Nodes that compute nothing on the device: views (and functional copies of views), getitem
+    of a multi-output op, and host arithmetic on symbolic sizes and scalars."""
     if node.op != "call_function":
         return True
     if node.target is operator.getitem:
         return True
     if not isinstance(node.target, torch._ops.OpOverload):
-        return False
+        return isinstance(node.meta.get("val"), _SCALARS)  # operator.mul, sym_float, ... on scalars
     name = op_name(node)
-    return classify(name) == "view" or name.split(".")[0] in VIEW_COPIES
+    return classify(name) == "view" or name.split(".")[0] in VIEW_COPIES or name.split(".")[0] in SIZE_QUERIES
 
 
 @dataclass
