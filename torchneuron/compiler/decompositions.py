@@ -94,7 +94,7 @@ _SCALAR_LIST_OPS: dict[Any, Callable[..., Any]] = {
 
 def program_decompositions() -> dict[Any, Callable[..., Any]]:
     """The table for programs taking floats as arguments: the core table, with foreach ops over
-    lists of scalars split per tensor (a fresh dict)."""
+    lists of scalars as their overloads over lists of 0-d tensors (a fresh dict)."""
     return {**core_decompositions(), **_SCALAR_LIST_OPS}
 
 

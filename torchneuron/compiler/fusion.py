@@ -19,9 +19,9 @@ categories):
   fallbacks) is a kernel of its own.
 
 Pointwise ops without tensor inputs (fills, iotas, scalar constants, 0-d tensors of a program's
-float arguments) are generated inside the kernels that read them: they are no kernel and no HBM read. A copy writing a result back into
-a graph input (an input mutation) is that result's kernel writing to another address: it
-joins the kernel producing the result.
+float arguments) are generated inside the kernels that read them: they are no kernel and no HBM
+read. A copy writing a result back into a graph input (an input mutation) is that result's
+kernel writing to another address: it joins the kernel producing the result.
 
 A join never creates a cycle between kernels (a kernel may not both feed and consume
 another), never mixes placements, and never grows a kernel past `MAX_OPS`. Views and

@@ -70,7 +70,8 @@ def is_transparent(node: Node) -> bool:
     if not isinstance(node.target, torch._ops.OpOverload):
         return isinstance(node.meta.get("val"), _SCALARS)  # operator.mul, sym_float, ... on scalars
     name = op_name(node)
-    return classify(name) == "view" or name.split(".")[0] in VIEW_COPIES or name.split(".")[0] in SIZE_QUERIES
+    packet = name.split(".")[0]
+    return classify(name) == "view" or packet in VIEW_COPIES or packet in SIZE_QUERIES
 
 
 @dataclass
