@@ -270,10 +270,10 @@ def run_gate_sweep(names: set[str]) -> opinfo_sweep.SweepResult:
 
 
 def expected_runs(names: set[str]) -> int:
-    """(op, dtype) entries the gate's sweeps of `names` run."""
-    swept = ((torch.float32, names), (torch.bfloat16, set(BF16.split()) & names))
-    return sum(1 for op in opinfo_sweep.op_db for dtype, chosen in swept
-               if op.name in chosen and dtype in op.supported_dtypes("cpu"))
+    """(op, dtype) entries the gate's sweeps of `names` run (run_gate_sweep's two parts)."""
+    bf16_names = set(BF16.split()) & names
+    return (opinfo_sweep.expected_runs((torch.float32,), names)
+            + (opinfo_sweep.expected_runs((torch.bfloat16,), bf16_names) if bf16_names else 0))
 
 
 class _CompiledGate:

@@ -121,6 +121,14 @@ def shard_names(shard: int, shards: int) -> set[str]:
     return set(list(dict.fromkeys(op.name for op in op_db))[shard::shards])
 
 
+def expected_runs(dtypes, names: set[str] | None = None) -> int:
+    """How many (op, dtype) entries a sweep of `names` (all of op_db when empty or None) must run:
+    each OpInfo in each of `dtypes` the CPU supports. Counted apart from the sweeps' own loops,
+    which the gates check against it."""
+    return sum(1 for op in op_db if not names or op.name in names
+               for dtype in dtypes if dtype in op.supported_dtypes("cpu"))
+
+
 def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None, per_op_seconds: int = 30,
           progress=None) -> SweepResult:
     result = SweepResult()

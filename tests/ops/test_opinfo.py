@@ -6,7 +6,9 @@ with its cause; a new failure or a fixed known issue both fail this test, so the
 import pytest
 import torch
 
-from tests.ops.opinfo_sweep import shard_names, sweep
+from tests.ops.opinfo_sweep import expected_runs, shard_names, sweep
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 KNOWN_FAILURES = {
     # Jiterator ops are CUDA/ROCm-only by design (they compile CUDA source at run time).
@@ -34,19 +36,11 @@ KNOWN_FAILURES = {
 
 @pytest.fixture(scope="module")
 def result():
-    return sweep((torch.float32, torch.bfloat16))
-
-
-def expected_runs(names: set[str] | None = None) -> int:
-    """(op, dtype) entries the sweep runs: every OpInfo of `names` (default all) in each dtype the CPU supports."""
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    return sum(1 for op in op_db if names is None or op.name in names
-               for dt in (torch.float32, torch.bfloat16) if dt in op.supported_dtypes("cpu"))
+    return sweep(DTYPES)
 
 
 def test_every_op_is_covered(result):
-    assert result.ops_run == expected_runs()
+    assert result.ops_run == expected_runs(DTYPES)
 
 
 def test_pass_rate_at_least_97_percent(result):

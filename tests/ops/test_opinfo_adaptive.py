@@ -18,14 +18,13 @@ import pytest
 import torch
 
 import torchneuron.eager as eager
-from tests.ops.opinfo_sweep import shard_names, sweep
-from tests.ops.test_opinfo import KNOWN_FAILURES, expected_runs
+from tests.ops.opinfo_sweep import expected_runs, shard_names, sweep
+from tests.ops.test_opinfo import DTYPES, KNOWN_FAILURES
 from torchneuron.eager.fusion import Executor
 
 # ~6 min of one core in all on a fresh machine (plain eager's sweep: ~35 s), mostly compiling fused runs
 pytestmark = pytest.mark.slow
 
-DTYPES = (torch.float32, torch.bfloat16)  # test_opinfo's
 SHARDS = 2
 
 # "op.variant/dtype" -> cause, for ops that fail in adaptive mode only. The sweep found 13 in 8
@@ -64,7 +63,7 @@ class _AdaptiveGate:
         return adaptive_sweep(shard_names(cls.shard, SHARDS))
 
     def test_every_op_of_the_shard_is_covered(self, result):
-        assert result.ops_run == expected_runs(shard_names(self.shard, SHARDS))
+        assert result.ops_run == expected_runs(DTYPES, shard_names(self.shard, SHARDS))
 
     def test_pass_rate_at_least_97_percent(self, result):
         assert result.pass_rate >= 0.97, f"pass rate {result.pass_rate:.2%}"
