@@ -10,11 +10,11 @@ minus:
 - random decompositions: random ops stay the ops eager runs, drawing the same numbers from
   the device generator as eager does with the same seed (Inductor's `fallback_random`).
 
-Programs whose floats are arguments (adaptive eager's fused runs, `program_decompositions`) also
-turn foreach ops taking a list of scalars into their overloads taking a list of 0-d tensors,
-where that rounds as eager does: an optimizer's bias corrections arrive as such a list, and
-Inductor has no lowering for these overloads, so they would run as ATen calls, tensor by tensor,
-instead of fusing with the update around them.
+Adaptive eager's fused programs (`program_decompositions`) keep whole every op they call as the
+eager kernel (eager_numerics.py), and turn foreach ops taking a list of scalars into their
+overloads taking a list of 0-d tensors, where that rounds as eager does: an optimizer's bias
+corrections arrive as such a list, and Inductor has no lowering for these overloads, so they
+would run as ATen calls, tensor by tensor, instead of fusing with the update around them.
 """
 from __future__ import annotations
 
@@ -93,9 +93,12 @@ _SCALAR_LIST_OPS: dict[Any, Callable[..., Any]] = {
 
 
 def program_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The table for programs taking floats as arguments: the core table, with foreach ops over
-    lists of scalars as their overloads over lists of 0-d tensors (a fresh dict)."""
-    return {**core_decompositions(), **_SCALAR_LIST_OPS}
+    """The table of adaptive eager's programs: the core table without the ops a program calls as
+    the eager kernel, with foreach ops over lists of scalars as their overloads over lists of 0-d
+    tensors (a fresh dict)."""
+    from torchneuron.compiler.eager_numerics import program_table
+
+    return {**program_table(core_decompositions()), **_SCALAR_LIST_OPS}
 
 
 def for_compile_fx() -> dict[Any, Callable[..., Any]] | None:

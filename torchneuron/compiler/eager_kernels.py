@@ -7,6 +7,8 @@ inputs and output buffers become copies at its end; views stay views: traced as 
 program's `as_strided` views of values it mutated computed wrong results) and compiles it with
 Inductor's per-graph compiler, so the device pipeline (passes, partition, fusion, kernel plan) and code generation are the
 ones `torch.compile` uses, and the fused program charges its kernels to the device timeline.
+Unlike a `torch.compile` graph, a program rounds as the eager kernels do: it keeps whole, and calls
+as the eager kernel, every op whose generated code would round differently (eager_numerics.py).
 The result is called as `runner(list_of_tensors)`.
 
 Floats that change from call to call (an optimizer's bias corrections, a scheduled learning rate)
@@ -30,8 +32,9 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
     from torch.utils._python_dispatch import _disable_current_modes
 
     from torchneuron.compiler import register_inductor
-    from torchneuron.compiler.backend import INDUCTOR_PATCHES, compile_graph
-    from torchneuron.compiler.decompositions import core_decompositions
+    from torchneuron.compiler.backend import INDUCTOR_PATCHES
+    from torchneuron.compiler.decompositions import program_decompositions
+    from torchneuron.compiler.eager_numerics import rounding_as_eager
     from torchneuron.eager.recording import worklog_paused
 
     register_inductor()
@@ -41,31 +44,40 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
     # Fused pointwise chains round every intermediate to its dtype, as the ops did one by one:
     # adaptive eager promises plain eager's numerics (torch.compile keeps Inductor's upcasting).
     patches = {**INDUCTOR_PATCHES, "emulate_precision_casts": True}
-    with _disable_current_modes(), worklog_paused(), inductor_config.patch(patches), torch.no_grad():
+    table = program_decompositions()  # keeps whole the ops a program calls as the eager kernel
+    with _disable_current_modes(), worklog_paused(), inductor_config.patch(patches), torch.no_grad(), \
+            rounding_as_eager():
         def program(*tensors: torch.Tensor) -> tuple:
             replay(*tensors)
             return ()  # Inductor compiles graphs returning a tuple; the results are the writes
 
         traced = functionalize(program, remove="mutations")
         if not float_hints:
-            gm = make_fx(traced, decomposition_table=core_decompositions(), tracing_mode="fake")(*example_inputs)
+            gm = make_fx(traced, decomposition_table=table, tracing_mode="fake")(*example_inputs)
             write_inputs_last(gm, n_inputs)
             # Compile against the trace's fake tensors: the compiled program must not keep the run's
             # buffers alive (adaptive eager reads liveness from reference counts).
-            return compile_graph(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])
-        return _compile_with_float_arguments(traced, example_inputs, n_inputs, float_hints)
+            return _compile_program(gm)
+        return _compile_with_float_arguments(traced, example_inputs, n_inputs, float_hints, table)
+
+
+def _compile_program(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
+    """Inductor's compilation of a traced program, told the table it was traced with (Inductor
+    refuses to call an op as the eager kernel when it knows a decomposition of it)."""
+    from torchneuron.compiler.backend import compile_graph
+    from torchneuron.compiler.decompositions import program_decompositions
+
+    example_inputs = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
+    return compile_graph(gm, example_inputs, get_decomp_fn=program_decompositions)
 
 
 def _compile_with_float_arguments(traced: Callable[..., tuple], example_inputs: list[torch.Tensor], n_inputs: int,
-                                  float_hints: tuple[float, ...]) -> Callable[[list], Any]:
+                                  float_hints: tuple[float, ...], table: dict) -> Callable[[list], Any]:
     """compile_replay's path for a program taking floats: traced with a symbolic float each."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from torchneuron.compiler.backend import compile_graph
-    from torchneuron.compiler.decompositions import program_decompositions
 
     shape_env = ShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env, static_shapes=True)
@@ -75,10 +87,10 @@ def _compile_with_float_arguments(traced: Callable[..., tuple], example_inputs: 
     shape_env.pending_fresh_unbacked_symbols.clear()  # inputs: bound by their placeholders, not by an op
     fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in example_inputs]
     with fake_mode:
-        gm = make_fx(traced, decomposition_table=program_decompositions())(*fakes, *floats)
+        gm = make_fx(traced, decomposition_table=table)(*fakes, *floats)
     write_inputs_last(gm, n_inputs)
     with tracing(TracingContext(fake_mode)):
-        runner = compile_graph(gm, [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")])
+        runner = _compile_program(gm)
     deferred = [a for asserts in shape_env.deferred_runtime_asserts.values() for a in asserts]
     assumptions = [str(g.expr) for g in shape_env.guards] + [str(a.expr) for a in deferred]
     if assumptions or shape_env.replacements:

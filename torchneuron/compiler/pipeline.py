@@ -8,6 +8,8 @@ so it runs inside Inductor after decomposition and autograd, before lowering, an
 2. partition.py: device / host-fallback / cpu placement of every op;
 3. fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
 4. nki_kernels.lower_to_host: NKI-kernel ops become the host kernels they execute as;
+5. for adaptive eager's programs (eager_numerics.py), ops whose generated code would round
+   unlike the eager kernel are called as that kernel;
 
 and stores the resulting `GraphPlan` in `gm.meta`, where the wrapper code generation embeds
 it into the generated module. With TORCHNEURON_COMPILE_DUMP_DIR set, it writes the graph
@@ -22,7 +24,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch.fx import GraphModule
 
-from torchneuron.compiler import artifacts, config, flex_attention, nki_kernels
+from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, nki_kernels
 from torchneuron.compiler.codegen import PLAN_META_KEY
 from torchneuron.compiler.cost import eager_cost, plan_costs
 from torchneuron.compiler.fusion import build_kernels, fuse
@@ -94,6 +96,8 @@ class NeuronGraphPass(CustomGraphModulePass):
         plan = GraphPlan(name, _device_index(gm), kernels, symbols)
         gm.meta[PLAN_META_KEY] = plan
         rewrites["lowered_to_host_kernels"] = nki_kernels.lower_to_host(gm)
+        if eager_numerics.active():  # an adaptive eager program: rounds as the eager kernels do
+            rewrites["called_as_eager_kernels"] = eager_numerics.mark_eager_calls(gm)
         if dumping:
             artifacts.write(name, "aten_after_passes.txt", gm.print_readable(print_output=False))
             artifacts.write(name, "passes.json", rewrites)
@@ -104,7 +108,8 @@ class NeuronGraphPass(CustomGraphModulePass):
 
     def uuid(self) -> Any:
         """Part of Inductor's cache keys: what changes the plan besides the graph itself."""
-        return f"torchneuron-pipeline-{config.VERSION}-{get_target().name}-strict={policy.is_strict()}"
+        return (f"torchneuron-pipeline-{config.VERSION}-{get_target().name}-strict={policy.is_strict()}"
+                f"-eager-numerics={eager_numerics.active()}")
 
 
 def _size_hints(gm: GraphModule, symbols: dict[str, tuple[int, int]]) -> dict[str, int]:

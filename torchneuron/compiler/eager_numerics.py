@@ -1,0 +1,163 @@
+"""Eager numerics for adaptive eager's fused programs: which ops the generated code computes, and
+which it calls as the eager kernel.
+
+Adaptive eager promises plain eager's results bit for bit, and the device's eager kernels are
+ATen's CPU kernels. Inductor's generated code rounds like them only for some ops. Measured
+against ATen (float32 and bfloat16, `emulate_precision_casts` on):
+
+- the same: IEEE arithmetic (`+ - * /`, reciprocal), comparisons, selection, min/max and
+  clamps, rounding to integers, casts, and every op that only moves data;
+- different by an ulp or more:
+  - transcendentals: ATen calls MKL's vector math (sqrt, exp, log, sin, tanh, erf...) or its own
+    polynomials (gelu);
+  - reductions, softmax, norms and losses: another summation order;
+  - ops whose ATen kernel fuses a multiply-add (`add`/`sub` with `alpha`, lerp, addcmul);
+  - float iotas (`arange`, `linspace`), which ATen accumulates in double;
+  - remainder, fmod, rounding division;
+  - scatters that accumulate (another order);
+  - division by a constant, which Inductor turns into a multiplication by its reciprocal on
+    every device but "cpu";
+  - in half precision, constants that the dtype cannot hold: ATen rounds fill values and the
+    scalar operand of add and sub to the dtype, generated code does not.
+
+So a program generates code only for `EXACT` ops (and ops with only integer or boolean
+results) whose arguments avoid those cases, and calls every other op as the eager kernel
+(Inductor's per-node fallback). Its decomposition table keeps those ops whole, so a call is the
+very kernel eager runs. The kernel plan still fuses them: on the NeuronCore they are part of the
+fused kernel like any other op (kept whole, a norm or a softmax is priced as one op).
+
+`rounding_as_eager()` marks the compilation of a program; the pipeline then calls
+`mark_eager_calls(gm)` after planning.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from torchneuron.hardware.model import classify
+
+# Ops whose generated code rounds as ATen's kernel (their base names, without the in-place "_"),
+# besides the model's "view" category. A name missing here only costs speed: the op is called.
+EXACT: frozenset[str] = frozenset("""
+    add sub rsub mul div neg abs relu clamp clamp_min clamp_max maximum minimum fmax fmin where
+    eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and bitwise_or
+    bitwise_xor bitwise_not sign sgn signbit masked_fill threshold threshold_backward hardtanh
+    hardtanh_backward leaky_relu leaky_relu_backward hardsigmoid hardswish square reciprocal floor
+    ceil trunc round frac isnan isinf isposinf isneginf isfinite nan_to_num copysign heaviside
+    copy _copy_from clone contiguous _to_copy to convert_element_type lift_fresh_copy cat stack
+    constant_pad_nd flip roll repeat expand_copy permute_copy t_copy transpose_copy view_copy
+    _reshape_copy slice_scatter select_scatter diagonal_scatter as_strided_scatter select_backward
+    slice_backward fill zero zeros ones full zeros_like ones_like full_like new_zeros new_ones
+    new_full scalar_tensor empty empty_like empty_strided index_select gather index embedding take
+    take_along_dim _unsafe_index
+""".split())
+# Overloads of EXACT ops that round differently (rounding division, rounding to decimals).
+INEXACT_OVERLOADS: frozenset[str] = frozenset({"div.Tensor_mode", "div.Scalar_mode", "round.decimals"})
+# Ops of EXACT whose ATen kernel fuses a multiply-add when given a scale other than 1 (and rounds a
+# scalar operand to a half-precision tensor's dtype).
+_SCALED = frozenset({"add", "sub", "rsub"})
+_REDUCED = frozenset({torch.float16, torch.bfloat16})
+
+_active = contextvars.ContextVar("torchneuron_rounding_as_eager", default=False)
+
+
+@contextlib.contextmanager
+def rounding_as_eager() -> Iterator[None]:
+    """Compilations inside generate code only where it rounds as eager (adaptive eager's programs)."""
+    token = _active.set(True)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def active() -> bool:
+    return _active.get()
+
+
+def _base_name(name: str) -> str:
+    name = name.rsplit("::", 1)[-1].split(".", 1)[0].removeprefix("_foreach_")
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def exact_op(op: Any) -> bool:
+    """Whether generated code for `op` (an OpOverload) rounds as its eager kernel, whatever its arguments."""
+    name = op.name() if hasattr(op, "name") else str(op)
+    overload = f"{_base_name(name)}.{getattr(op, '_overloadname', '')}"
+    return (_base_name(name) in EXACT and overload not in INEXACT_OVERLOADS) or classify(name) == "view"
+
+
+def _result_dtypes(node: Node) -> set[torch.dtype]:
+    values = node.meta.get("val")
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return {v.dtype for v in values if isinstance(v, torch.Tensor)}
+
+
+def _numbers(args: Any) -> list[float]:
+    """The Python floats among `args` (through lists)."""
+    flat = torch.utils._pytree.tree_leaves(args)
+    return [a for a in flat if isinstance(a, float)]
+
+
+def _constant_fill(arg: Any) -> bool:
+    """Whether `arg` is a node filling a tensor with a value known when compiling (Inductor then
+    folds it into the code that reads it)."""
+    return (isinstance(arg, Node) and isinstance(arg.target, torch._ops.OpOverload)
+            and classify(arg.target.name()) == "fill"
+            and not any(isinstance(a, Node) for a in torch.utils._pytree.tree_leaves((arg.args, arg.kwargs))))
+
+
+def _exact_reciprocal(value: float) -> bool:
+    return value != 0 and math.isfinite(value) and math.frexp(value)[0] in (0.5, -0.5)
+
+
+def generated_as_eager(node: Node) -> bool:
+    """Whether Inductor's code for `node` gives the eager kernel's bits."""
+    dtypes = _result_dtypes(node)
+    if not any(d.is_floating_point or d.is_complex for d in dtypes):
+        return True  # integer and boolean arithmetic is exact in any order
+    if not exact_op(node.target):
+        return False
+    name = _base_name(node.target.name())
+    if name in _SCALED and node.kwargs.get("alpha", 1) != 1:
+        return False
+    if dtypes & _REDUCED:
+        # Constants are not rounded to the dtype in generated code; ATen rounds fill values, and
+        # the scalar operand of add and sub (not of mul or div), to it first.
+        dtype = next(iter(dtypes & _REDUCED))
+        if (name in _SCALED or classify(node.target.name()) == "fill") and any(
+                float(torch.tensor(n, dtype=dtype)) != n for n in _numbers((node.args, node.kwargs))):
+            return False
+    if name == "div" and len(node.args) > 1:
+        # Inductor multiplies by the reciprocal of a constant divisor (except on the "cpu" device)
+        divisors = torch.utils._pytree.tree_leaves(node.args[1])
+        return not any(_constant_fill(d) or (isinstance(d, (int, float)) and not _exact_reciprocal(d))
+                       for d in divisors)
+    return True
+
+
+def mark_eager_calls(gm: GraphModule) -> list[str]:
+    """Makes Inductor call the eager kernel for every op of `gm` whose generated code would round
+    differently (or which the program's decomposition table kept whole, whatever its dtype);
+    returns their names."""
+    from torch._inductor.lowering import lowerings
+
+    marked = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+            continue
+        if target not in lowerings or not generated_as_eager(node):
+            node.meta["should_fallback"] = True
+            marked.append(node.name)
+    return marked
+
+
+def program_table(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+    """`table` without the decompositions of ops a program calls as the eager kernel (a fresh dict)."""
+    return {op: fn for op, fn in table.items() if exact_op(op)}
