@@ -6,7 +6,9 @@ backward) and AdamW's step. Prints host wall time per step (median over interlea
 the issue sets goals for (medians of per-round ratios), and the modeled trn2 device time of a step in
 each neuron mode with the items (kernels, copies) it puts on the device timeline. Host time measures
 the software NeuronCore, whose kernels are host kernels in every mode; the modeled time is what the
-modes differ by on Trainium.
+modes differ by on Trainium. Adaptive eager gives eager's results bit for bit, so its fused programs
+call the eager kernels for transcendentals, reductions and norms: on the host they save only the
+launches of the arithmetic they fuse.
 
     python bench/compile.py [--steps 5] [--rounds 30] [--threads 1]
 """
