@@ -255,17 +255,12 @@ def run_gate_sweep(names: set[str]) -> opinfo_sweep.SweepResult:
     parts = [compiled_sweep((torch.float32,), names, samples, grad_ops=set(GRAD.split()) & names)]
     if set(BF16.split()) & names:
         parts.append(compiled_sweep((torch.bfloat16,), set(BF16.split()) & names, samples))
-    result = opinfo_sweep.SweepResult()
-    result.graphs, result.seconds = {}, 0.0
+    result = opinfo_sweep.SweepResult.merged(parts)
+    result.graphs = {}
     for part in parts:
-        result.samples_passed += part.samples_passed
-        result.samples_failed += part.samples_failed
-        result.samples_without_reference += part.samples_without_reference
-        result.keys.extend(part.keys)
-        result.failures.update(part.failures)
         for key, graphs in part.graphs.items():
             result.graphs[key] = result.graphs.get(key, 0) + graphs
-        result.seconds += part.seconds
+    result.seconds = sum(part.seconds for part in parts)
     return result
 
 

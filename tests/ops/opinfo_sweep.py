@@ -47,6 +47,18 @@ class SweepResult:
         total = self.samples_passed + self.samples_failed
         return self.samples_passed / total if total else 1.0
 
+    @classmethod
+    def merged(cls, parts: list["SweepResult"]) -> "SweepResult":
+        """One result of several sweeps (of other ops or dtypes), in order."""
+        result = cls()
+        for part in parts:
+            result.samples_passed += part.samples_passed
+            result.samples_failed += part.samples_failed
+            result.samples_without_reference += part.samples_without_reference
+            result.keys.extend(part.keys)
+            result.failures.update(part.failures)
+        return result
+
 
 class _Timeout(Exception):
     pass
