@@ -92,13 +92,30 @@ _SCALAR_LIST_OPS: dict[Any, Callable[..., Any]] = {
 }
 
 
+def _round_decimals(x: torch.Tensor, decimals: int = 0) -> Any:
+    """ATen's CPU kernel step by step: in float32 for half-precision inputs, a true division by
+    the power of ten (Inductor's decomposition multiplies by its reciprocal; kept whole, the op
+    trips Inductor's no-op removal)."""
+    if not x.is_floating_point():
+        return NotImplemented
+    scale = 10.0 ** abs(decimals)
+    y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    y = aten.mul(aten.round(aten.div(y, scale)), scale) if decimals < 0 else \
+        aten.div(aten.round(aten.mul(y, scale)), scale)
+    return y.to(x.dtype)
+
+
+# Decompositions of the programs only (the float ones rounding as the eager kernels do).
+_PROGRAM_ONLY: dict[Any, Callable[..., Any]] = {**_SCALAR_LIST_OPS, aten.round.decimals: _round_decimals}
+
+
 def program_decompositions() -> dict[Any, Callable[..., Any]]:
     """The table of adaptive eager's programs: the core table without the ops a program calls as
     the eager kernel, with foreach ops over lists of scalars as their overloads over lists of 0-d
-    tensors (a fresh dict)."""
+    tensors, and rounding to decimals as ATen computes it (a fresh dict)."""
     from torchneuron.compiler.eager_numerics import program_table
 
-    return {**program_table(core_decompositions()), **_SCALAR_LIST_OPS}
+    return {**program_table(core_decompositions()), **_PROGRAM_ONLY}
 
 
 def for_compile_fx() -> dict[Any, Callable[..., Any]] | None:

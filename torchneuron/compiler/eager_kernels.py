@@ -5,8 +5,9 @@
 buffers it writes) to an ATen graph in the compiler's core op set without mutations (mutations of
 inputs and output buffers become copies at its end; views stay views: traced as view copies, a
 program's `as_strided` views of values it mutated computed wrong results) and compiles it with
-Inductor's per-graph compiler, so the device pipeline (passes, partition, fusion, kernel plan) and code generation are the
-ones `torch.compile` uses, and the fused program charges its kernels to the device timeline.
+Inductor's per-graph compiler, so the device pipeline (passes, partition, fusion, kernel plan) and
+code generation are the ones `torch.compile` uses, and the fused program charges its kernels to
+the device timeline.
 Unlike a `torch.compile` graph, a program rounds as the eager kernels do: it keeps whole, and calls
 as the eager kernel, every op whose generated code would round differently (eager_numerics.py).
 The result is called as `runner(list_of_tensors)`.

@@ -20,10 +20,9 @@ against ATen (float32 and bfloat16, `emulate_precision_casts` on):
   - in half precision, constants that the dtype cannot hold: ATen rounds fill values and the
     scalar operand of add and sub to the dtype, generated code does not.
 
-So a program generates code only for `EXACT` ops (and ops with only integer or boolean
-results) whose arguments avoid those cases, and calls every other op as the eager kernel
-(Inductor's per-node fallback). Its decomposition table keeps those ops whole, so a call is the
-very kernel eager runs. The kernel plan still fuses them: on the NeuronCore they are part of the
+So a program generates code only for `EXACT` ops whose arguments avoid those cases, and calls
+every other op as the eager kernel (Inductor's per-node fallback). Its decomposition table keeps
+those ops whole, so a call is the very kernel eager runs. The kernel plan still fuses them: on the NeuronCore they are part of the
 fused kernel like any other op (kept whole, a norm or a softmax is priced as one op).
 
 `rounding_as_eager()` marks the compilation of a program; the pipeline then calls
@@ -56,8 +55,8 @@ EXACT: frozenset[str] = frozenset("""
     new_full scalar_tensor empty empty_like empty_strided index_select gather index embedding take
     take_along_dim _unsafe_index
 """.split())
-# Overloads of EXACT ops that round differently (rounding division, rounding to decimals).
-INEXACT_OVERLOADS: frozenset[str] = frozenset({"div.Tensor_mode", "div.Scalar_mode", "round.decimals"})
+# Overloads of EXACT ops that round differently (rounding division).
+INEXACT_OVERLOADS: frozenset[str] = frozenset({"div.Tensor_mode", "div.Scalar_mode"})
 # Ops of EXACT whose ATen kernel fuses a multiply-add when given a scale other than 1 (and rounds a
 # scalar operand to a half-precision tensor's dtype).
 _SCALED = frozenset({"add", "sub", "rsub"})
@@ -99,9 +98,9 @@ def _result_dtypes(node: Node) -> set[torch.dtype]:
 
 
 def _numbers(args: Any) -> list[float]:
-    """The Python floats among `args` (through lists)."""
+    """The Python numbers among `args` (through lists; sizes too, which only errs on the safe side)."""
     flat = torch.utils._pytree.tree_leaves(args)
-    return [a for a in flat if isinstance(a, float)]
+    return [a for a in flat if isinstance(a, (int, float)) and not isinstance(a, bool)]
 
 
 def _constant_fill(arg: Any) -> bool:
@@ -118,11 +117,11 @@ def _exact_reciprocal(value: float) -> bool:
 
 def generated_as_eager(node: Node) -> bool:
     """Whether Inductor's code for `node` gives the eager kernel's bits."""
+    if not exact_op(node.target):
+        return False  # (also on integers: Inductor expects such ops decomposed, as they are elsewhere)
     dtypes = _result_dtypes(node)
     if not any(d.is_floating_point or d.is_complex for d in dtypes):
-        return True  # integer and boolean arithmetic is exact in any order
-    if not exact_op(node.target):
-        return False
+        return True
     name = _base_name(node.target.name())
     if name in _SCALED and node.kwargs.get("alpha", 1) != 1:
         return False
@@ -150,7 +149,8 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
     marked = []
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+                or target.namespace not in ("aten", "prims"):
             continue
         if target not in lowerings or not generated_as_eager(node):
             node.meta["should_fallback"] = True
