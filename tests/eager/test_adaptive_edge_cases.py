@@ -235,7 +235,7 @@ def test_changing_floats_become_program_arguments(adaptive):
     assert eager.stats()["compiles"] == steady["compiles"]
 
 
-def test_a_program_branching_on_a_changing_float_splits_around_it(adaptive):
+def test_a_program_needing_the_value_of_a_changing_float_splits_around_it(adaptive):
     """Tracing logit needs the value of its eps (its kernel takes a plain float): that program
     cannot take eps as an argument, so logit runs eagerly and its neighbours still fuse."""
     def fn(x, eps):

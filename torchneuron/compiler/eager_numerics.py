@@ -22,8 +22,9 @@ against ATen (float32 and bfloat16, `emulate_precision_casts` on):
 
 So a program generates code only for `EXACT` ops whose arguments avoid those cases, and calls
 every other op as the eager kernel (Inductor's per-node fallback). Its decomposition table keeps
-those ops whole, so a call is the very kernel eager runs. The kernel plan still fuses them: on the NeuronCore they are part of the
-fused kernel like any other op (kept whole, a norm or a softmax is priced as one op).
+those ops whole, so a call is the very kernel eager runs. The kernel plan still fuses them: on the
+NeuronCore they are part of the fused kernel like any other op (kept whole, a norm or a softmax
+is priced as one op).
 
 `rounding_as_eager()` marks the compilation of a program; the pipeline then calls
 `mark_eager_calls(gm)` after planning.

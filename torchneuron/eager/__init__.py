@@ -9,7 +9,8 @@ aliasing are plain eager's: a fused program generates code only for ops whose ge
 rounds as the eager kernel does, and calls the eager kernel for the others (transcendentals,
 reductions, norms; torchneuron/compiler/eager_numerics.py). Reading data on the host (`item`,
 `.cpu()`, printing), an NKI kernel, a collective or any op that cannot wait flushes the queue
-first, and so do `flush()` and the device timeline's readers. Off under `torch.use_deterministic_algorithms(True)`.
+first, and so do `flush()` and the device timeline's readers. Off under
+`torch.use_deterministic_algorithms(True)`.
 
 The queue is C++, inside the device's fallback (runtime/csrc/queue.cpp: about a microsecond
 per op); queue.py and fusion.py are its Python side, called once per new op and once per new
