@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.fx import GraphModule, Node
 
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.model import base_name, classify
 
 # Ops whose generated code rounds as ATen's kernel (their base names, without the in-place "_"),
 # besides the model's "view" category. A name missing here only costs speed: the op is called.
@@ -81,15 +81,16 @@ def active() -> bool:
 
 
 def _base_name(name: str) -> str:
-    name = name.rsplit("::", 1)[-1].split(".", 1)[0].removeprefix("_foreach_")
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    """The performance model's base name, a foreach op's without its prefix ("_foreach_add_" -> "add")."""
+    return base_name(name).removeprefix("_foreach_")
 
 
 def exact_op(op: Any) -> bool:
     """Whether generated code for `op` (an OpOverload) rounds as its eager kernel, whatever its arguments."""
     name = op.name() if hasattr(op, "name") else str(op)
-    overload = f"{_base_name(name)}.{getattr(op, '_overloadname', '')}"
-    return (_base_name(name) in EXACT and overload not in INEXACT_OVERLOADS) or classify(name) == "view"
+    base = _base_name(name)
+    overload = f"{base}.{getattr(op, '_overloadname', '')}"
+    return (base in EXACT and overload not in INEXACT_OVERLOADS) or classify(name) == "view"
 
 
 def _result_dtypes(node: Node) -> set[torch.dtype]:

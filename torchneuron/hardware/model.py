@@ -245,7 +245,7 @@ _CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
 _CATEGORY: dict[str, str] = {name: cat for cat, names in _CATEGORY_NAMES.items() for name in names}
 
 
-def _base_name(op: str) -> str:
+def base_name(op: str) -> str:
     """"aten::add_.Tensor" -> "add"; "aten::copy_" -> "copy"; "mylib::foo.out" -> "foo"."""
     name = op.rsplit("::", 1)[-1].split(".", 1)[0]
     if name.endswith("_") and not name.endswith("__"):
@@ -255,7 +255,7 @@ def _base_name(op: str) -> str:
 
 def classify(op: str) -> str:
     """The model's category of an aten op name ("matmul", "elementwise", "gather", ...)."""
-    name = _base_name(op)
+    name = base_name(op)
     if name in _CATEGORY:
         return _CATEGORY[name]
     if name.startswith("_foreach_"):
@@ -557,7 +557,7 @@ _FLOPS_PER_ELEMENT = {"softmax": 5.0, "softmax_backward": 3.0, "norm": 7.0, "nor
 
 def _device_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
     category = classify(op)
-    name = _base_name(op)
+    name = base_name(op)
     work: _Work | None = None
     if category == "view":
         return Cost(0.0, "dma", 0.0, 0.0, "latency")
