@@ -154,10 +154,24 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or target.namespace not in ("aten", "prims"):
             continue
-        if target not in lowerings or not generated_as_eager(node):
+        if target not in lowerings:
+            _register_eager_call(target)
+        if not generated_as_eager(node) or target not in lowerings:
             node.meta["should_fallback"] = True
             marked.append(node.name)
     return marked
+
+
+def _register_eager_call(target: torch._ops.OpOverload) -> None:
+    """Gives Inductor a lowering that calls `target`'s eager kernel, with the layout constraint its
+    implicit fallback would choose (programs are forward graphs). Registered here because the
+    implicit path refuses, when the `CI` environment variable is set, any op that has a
+    decomposition, and keeping such ops whole is the point of this module."""
+    from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    constraint = tag_to_layout_constraint(get_layout_constraint_tag(target, with_default=True))
+    make_fallback(target, layout_constraint=constraint, warn=False, override_decomp=True)
 
 
 def program_table(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
