@@ -28,9 +28,6 @@ KNOWN_FAILURES = {
     # artifact: any device would show it when samples are made on the CPU and moved).
     "as_strided.partial_views/float32": "as_strided beyond a partial view",
     "as_strided.partial_views/bfloat16": "as_strided beyond a partial view",
-    # addr has a fused CPU/CUDA kernel; other devices get the CompositeExplicitAutograd
-    # decomposition (mul + add in bf16), which rounds at different points.
-    "addr/bfloat16": "bf16 rounding of scalar-scaled outer product",
 }
 
 

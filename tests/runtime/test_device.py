@@ -90,3 +90,24 @@ def test_module_to_keeps_parameter_identity_and_ties():
     model.to("neuron")
     assert model["emb"].weight is weight and model["head"].weight is weight  # as on CUDA
     assert weight.device.type == "neuron"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ops_with_a_composite_kernel_run_the_cpu_kernel(dtype):
+    """native_layer_norm, native_group_norm and addr have CPU kernels and CompositeExplicitAutograd
+    ones; the composite would win over the device's fallback and round differently. The device
+    gives the CPU kernel's bits, statistics' dtype included."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=g, dtype=dtype) for shape in ((8, 8, 6), (8,), (8,)))
+    m = torch.randn(8, 6, generator=g, dtype=dtype)
+    calls = {
+        "layer_norm": lambda x, w, b, m: torch.native_layer_norm(x, [6], w[:6], b[:6], 1e-5),
+        "group_norm": lambda x, w, b, m: torch.native_group_norm(x, w, b, 8, 8, 6, 2, 1e-5),
+        "addr": lambda x, w, b, m: (torch.addr(m, w, b[:6], beta=0.5, alpha=2.0),),
+    }
+    for name, call in calls.items():
+        want = call(x, w, b, m)
+        got = call(*(t.to("neuron") for t in (x, w, b, m)))
+        for expected, actual in zip(want, got):
+            assert actual.device.type == "neuron" and actual.dtype == expected.dtype, name
+            torch.testing.assert_close(actual.cpu(), expected, atol=0, rtol=0, msg=name)

@@ -841,11 +841,15 @@ static bool g_installed = [] {
     // Foreach ops too: one device op over a list (one launch on the NeuronCore, one entry in
     // adaptive eager's queue), not a host loop of per-tensor ops through the dispatcher.
     // clone too: one op making a fresh tensor, not an allocation and a copy into it.
+    // And ops with a CPU kernel of their own whose CompositeExplicitAutograd kernel would otherwise
+    // win over the fallback on neuron (native_layer_norm, native_group_norm, addr, ...): a different
+    // implementation rounds differently, and the device must give the CPU kernel's results.
     const bool foreach = name.name.rfind("aten::_foreach_", 0) == 0;
     const bool whole = foreach || name.name == "aten::clone";
-    if (!whole && !(h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional) &&
-                    h->hasKernelForDispatchKey(DispatchKey::CPU)))
-      continue;
+    const bool has_cpu = h->hasKernelForDispatchKey(DispatchKey::CPU);
+    const bool composite = h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+                           h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutograd);
+    if (!whole && !(composite && has_cpu)) continue;
     std::string s = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
     m.impl(s.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
     ++g_direct_structured;
