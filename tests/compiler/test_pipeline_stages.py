@@ -164,6 +164,38 @@ def test_matmul_epilogue_and_the_softmax_of_its_result_fuse_into_one_kernel():
     assert len(kernel.reads) == 3 and len(kernel.writes) == 1
 
 
+def _softmax_by_hand(x):
+    e = (x - x.amax(-1, keepdim=True)).exp()   # max, then subtract it from the row
+    return e / e.sum(-1, keepdim=True)          # sum, then divide the row by it
+
+
+@pytest.mark.parametrize("width, kernels", [(1024, 1), (32768, 3)])
+def test_statistics_are_applied_on_chip_only_to_rows_that_fit_sbuf(width, kernels):
+    """A row of 1024 floats stays in SBUF: max, subtract, exp, sum, divide are one kernel. A row of
+    32768 floats (128 KiB, over half a trn2 partition's SBUF) streams: each statistic is reduced
+    as the row passes, and applied by the next kernel, which reads the row again from HBM."""
+    x = torch.randn(8, width, device="neuron")
+    plan = plan_of(_softmax_by_hand, x)
+    assert len(plan.kernels) == kernels
+    row_reads = sum(1 for k in plan.kernels for t in k.reads if t.shape == (8, width))
+    assert row_reads == kernels   # the input (and, streaming, the exponentials) once per pass
+
+
+def test_a_wide_reduction_still_fuses_what_does_not_reread_its_row():
+    """exp streams into the sum over a wide row, and the scale of the sums needs no row: one kernel."""
+    plan = plan_of(lambda x: x.exp().sum(-1) * 2, torch.randn(8, 32768, device="neuron"))
+    assert [k.kind for k in plan.kernels] == ["reduction"]
+
+
+def test_a_kept_whole_softmax_over_a_wide_row_is_a_kernel_of_its_own():
+    fn = lambda x: torch.softmax(x * 3, dim=-1) * 2  # noqa: E731
+    narrow = plan_of(fn, torch.randn(8, 1024, device="neuron"))
+    wide = plan_of(fn, torch.randn(8, 32768, device="neuron"))
+    assert len(narrow.kernels) == 1
+    assert [[o.op for o in k.ops] for k in wide.kernels] == [["aten::mul.Tensor"], ["aten::_softmax"],
+                                                             ["aten::mul.Tensor"]]
+
+
 def test_a_norm_fuses_into_the_matmul_it_feeds_but_chained_matmuls_do_not():
     def fn(x, w1, w2):
         h = torch.nn.functional.layer_norm(x, (64,)) @ w1   # norm prologue + projection

@@ -24,7 +24,15 @@ read. A copy writing a result back into a graph input (an input mutation) is tha
 kernel writing to another address: it joins the kernel producing the result.
 
 A join never creates a cycle between kernels (a kernel may not both feed and consume
-another), never mixes placements, and never grows a kernel past `MAX_OPS`. Views and
+another), never mixes placements, and never grows a kernel past `MAX_OPS`.
+
+SBUF capacity: a kernel applies statistics to the data they were reduced from (a softmax
+subtracting a row's max, a norm dividing by a row's deviation) in one pass only if the row stays
+on chip: a partition holds its float32 working copy in half its usable SBUF (the other half
+stages the tiles moving in and out). A wider row (a softmax over a large vocabulary, a batch norm
+over many pixels) is reduced while it streams through, and read again from HBM by a kernel after
+it: an op re-reading the data of a wide reduction of a kernel does not join that kernel. An op
+that both reduces and applies a wide row (softmax, a norm, kept whole) is a kernel of its own. Views and
 `getitem` are free: they belong to no kernel, and reading through one reads the viewed bytes.
 `build_kernels` turns groups into `KernelSpec`s with the tensors each kernel reads from and
 writes to HBM.
@@ -42,6 +50,7 @@ from torchneuron.compiler.flex_attention import NKI_META_KEY
 from torchneuron.compiler.partition import DEVICE, HOST, Partition, is_transparent, node_tensors, op_name
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.hardware.model import classify
+from torchneuron.hardware.targets import Target, get_target
 
 MAX_OPS = 64
 INLINE_META_KEY = "torchneuron_inline_constant"
@@ -75,6 +84,69 @@ def role(node: Node) -> str:
     return "opaque"
 
 
+# Ops normalising by a row's statistics, and the length of that row from their arguments.
+_ROW_STATISTICS = frozenset({"softmax", "softmax_backward", "norm", "norm_backward"})
+
+
+def row_elements(node: Node) -> int | None:
+    """Elements of the row whose statistics `node` (a softmax, a norm, their backward) computes
+    and applies; None for other ops, or where the arguments do not say."""
+    name = op_name(node).split("::")[-1]
+    packet = name.split(".")[0].rstrip("_")
+    args = node.args
+    inputs, _ = node_tensors(node)
+    if not inputs:
+        return None
+    shape = [_int(d) for d in inputs[0].shape]
+    if packet in ("_softmax", "_log_softmax", "softmax", "log_softmax", "_safe_softmax"):
+        return shape[args[1] % len(shape)] if shape else 1
+    if packet in ("_softmax_backward_data", "_log_softmax_backward_data"):
+        return shape[args[2] % len(shape)] if shape else 1
+    if packet in ("native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm"):
+        return _product(args[1])
+    if packet == "native_layer_norm_backward" or packet == "_fused_rms_norm_backward":
+        return _product(args[2])
+    if packet == "native_group_norm":
+        return _int(args[4]) // max(_int(args[6]), 1) * _int(args[5])
+    if packet == "native_group_norm_backward":
+        return _int(args[6]) // max(_int(args[8]), 1) * _int(args[7])
+    if "batch_norm" in packet or packet == "instance_norm":
+        return _numel(inputs[0]) // shape[1] if len(shape) > 1 and shape[1] else None
+    return None
+
+
+def _int(value) -> int:
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return int(hint) if hint is not None else 0
+    return int(value)
+
+
+def _product(dims) -> int:
+    result = 1
+    for d in dims:
+        result *= _int(d)
+    return result
+
+
+def reduced_elements(node: Node) -> int | None:
+    """Elements reduced into each output element of a reduction-role `node` (a row's length);
+    None where its tensors do not say."""
+    row = row_elements(node)
+    if row is not None:
+        return row
+    inputs, outputs = node_tensors(node)
+    if not inputs or not outputs:
+        return None
+    return _numel(inputs[0]) // max(_numel(outputs[0]), 1)
+
+
+def row_fits_on_chip(node: Node, target: Target) -> bool:
+    """Whether the row `node` reduces fits a partition's SBUF budget (the module docstring)."""
+    elements = reduced_elements(node)
+    return elements is None or elements * 4 <= target.sbuf_usable_bytes_per_partition // 2
+
+
 def _is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
@@ -105,13 +177,14 @@ class Group:
     size: int = 0
     open: bool = True
     succs: set["Group"] = field(default_factory=set)
+    streamed: set[Node] = field(default_factory=set)   # data of its reductions whose rows leave SBUF
 
 
 class _Grouper:
     """Assigns nodes, in topological order, to kernels (see the module docstring)."""
 
-    def __init__(self, partition: Partition) -> None:
-        self.partition = partition
+    def __init__(self, partition: Partition, target: Target) -> None:
+        self.partition, self.target = partition, target
         self.groups: list[Group] = []
         self.group_of: dict[Node, Group] = {}
         self.nki_calls: dict[str, Group] = {}
@@ -131,11 +204,14 @@ class _Grouper:
                 stack.append(succ)
         return False
 
-    def can_join(self, group: Group, node_role: str, size: int, producers: list[Group]) -> bool:
-        """Whether a node of `node_role` and iteration `size`, reading the results of
+    def can_join(self, group: Group, node_role: str, size: int, producers: list[Group],
+                 inputs: list[Node] = ()) -> bool:
+        """Whether a node of `node_role` and iteration `size`, reading `inputs`, the results of
         `producers`, may join `group` (the module docstring's rules)."""
         if not group.open or group.placement != DEVICE or len(group.nodes) >= MAX_OPS:
             return False
+        if group.streamed and any(_base(a) in group.streamed for a in inputs):
+            return False  # re-reads a wide row the kernel reduced: from HBM, in a later kernel
         if node_role == "matmul" and group.role == "matmul" and group in producers:
             return False  # a matmul of a matmul's result waits for its last accumulation
         if node_role != "matmul" and size > group.size and group.role != "pointwise":
@@ -165,6 +241,9 @@ class _Grouper:
             return
         producers = [g for g in dict.fromkeys(self.source(a) for a in inputs) if g is not None]
         node_role = role(node) if placement == DEVICE else "opaque"
+        wide = node_role == "reduction" and not row_fits_on_chip(node, self.target)
+        if wide and classify(op_name(node)) in _ROW_STATISTICS:
+            node_role = "opaque"                # reduces and applies in passes over HBM: alone
         if placement == DEVICE and node_role == "pointwise" and not any(map(_is_tensor, inputs)):
             node.meta[INLINE_META_KEY] = True   # a constant (of symbolic scalars too), generated where it is read
             return
@@ -184,7 +263,7 @@ class _Grouper:
             # statistics of a norm's backward are reductions of one input, read in one pass)
             candidates = sorted(producers, key=lambda g: -g.size) + self.siblings(node, inputs, producers)
             for group in candidates:
-                if self.can_join(group, node_role, size, producers):
+                if self.can_join(group, node_role, size, producers, inputs):
                     chosen = group
                     break
         if chosen is None:
@@ -192,6 +271,8 @@ class _Grouper:
             self.groups.append(chosen)
         chosen.nodes.append(node)
         chosen.size = max(chosen.size, size)
+        if wide:
+            chosen.streamed.update(_base(a) for a in inputs[:1])
         if node_role == "matmul" or (node_role == "reduction" and chosen.role == "pointwise"):
             chosen.role = node_role
         self.group_of[node] = chosen
@@ -200,9 +281,10 @@ class _Grouper:
                 producer.succs.add(chosen)
 
 
-def fuse(gm: GraphModule, partition: Partition) -> list[list[Node]]:
-    """Groups the graph's computing nodes into kernels; returns them in execution order."""
-    grouper = _Grouper(partition)
+def fuse(gm: GraphModule, partition: Partition, target: Target | None = None) -> list[list[Node]]:
+    """Groups the graph's computing nodes into kernels for `target` (the current one by default);
+    returns them in execution order."""
+    grouper = _Grouper(partition, target or get_target())
     for node in gm.graph.nodes:
         grouper.add(node)
     return [g.nodes for g in grouper.groups if g.nodes]
