@@ -194,11 +194,11 @@ NEURON_BUGS = {
     "native_batch_norm/float32": "eval-mode save_mean/save_invstd: [C] compiled, [0] eagerly (CPU kernel)",
     "_native_batch_norm_legit/float32": "eval-mode save_mean/save_invstd: [C] compiled, [0] eagerly (CPU kernel)",
     # The CPU kernels return bf16 statistics for bf16 inputs; the fake kernels and the decompositions
-    # (torch._refs.native_layer_norm: only "cpu"/"mtia") return float32 ones on other devices.
+    # return float32 ones on other devices. (Layer norm computes float32 statistics on neuron, as
+    # on CUDA; batch norm does not yet.)
     "native_batch_norm/bfloat16": "saved mean/invstd float32 compiled, bfloat16 eagerly (CPU kernel)",
     "_native_batch_norm_legit/bfloat16": "saved mean/invstd float32 compiled, bfloat16 eagerly (CPU kernel)",
     "_batch_norm_with_update/bfloat16": "saved mean/invstd float32 compiled, bfloat16 eagerly (CPU kernel)",
-    "native_layer_norm/bfloat16": "mean/rstd float32 compiled, bfloat16 eagerly (CPU kernel)",
 }
 # Failures Inductor has on the CPU too, with bit-identical results (not neuron's).
 UPSTREAM_LIMITATIONS = {

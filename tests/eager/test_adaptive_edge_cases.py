@@ -26,17 +26,39 @@ def assert_same_as_eager(fn, times=4, **tolerance):
 
 
 def test_outputs_the_meta_kernel_mispredicts_are_not_queued(adaptive):
-    """bfloat16 layer norm: the meta kernel says float32 statistics, the device kernel returns
-    bfloat16. The op runs unqueued, and the results are eager's."""
+    """bfloat16 batch norm: the meta kernel says float32 saved statistics, the device kernel (the
+    CPU's) returns bfloat16. The op runs unqueued, and the results are eager's."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 8, generator=g).bfloat16().to("neuron")
+    x = torch.randn(4, 3, 5, generator=g).bfloat16().to("neuron")
 
     def fn():
-        out, mean, rstd = torch.ops.aten.native_layer_norm(x * 1, (8,), None, None, 1e-5)
-        return [t.cpu() for t in (out, mean, rstd)]
+        out, mean, invstd = torch.ops.aten.native_batch_norm(x * 1, None, None, None, None, True, 0.1, 1e-5)
+        return [t.cpu() for t in (out, mean, invstd)]
 
     assert_same_as_eager(fn)
     assert [t.dtype for t in fn()] == [torch.bfloat16] * 3
+
+
+def test_half_precision_layer_norm_is_queued_and_fused(adaptive):
+    """bfloat16 layer norm keeps float32 statistics, as its meta kernel says: it fuses with its
+    neighbours, forward and backward, with eager's bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 24, generator=g).bfloat16().to("neuron")
+    w = torch.randn(24, generator=g).bfloat16().to("neuron").requires_grad_()
+
+    def fn():
+        h = torch.nn.functional.layer_norm(x * 2, (24,), w, w * 0.5)
+        (h.relu() * 3).float().sum().backward()
+        grad, w.grad = w.grad, None
+        return [h.detach().cpu(), grad.cpu()]
+
+    assert_same_as_eager(fn, times=4)
+    eager.set_eager_mode("adaptive")
+    before = eager.stats()
+    fn()
+    after = eager.stats()
+    eager.set_eager_mode("eager")
+    assert after["fused_ops"] - before["fused_ops"] >= 6 and after["compile_failures"] == before["compile_failures"]
 
 
 def test_an_out_variant_that_differs_is_not_used(adaptive):

@@ -24,6 +24,10 @@ from torch.testing._internal.common_methods_invocations import op_db
 
 MAX_SAMPLES = 4
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# Ops whose results on neuron have CUDA's dtypes where the CPU's differ (the meta kernel's, which
+# torch.compile traces with): half-precision layer norm returns float32 statistics. Values are
+# compared across the dtypes; tests/runtime/test_device.py checks the dtypes themselves.
+CUDA_DTYPES = frozenset({"native_layer_norm"})
 NONDETERMINISTIC = ("empty", "new_empty", "rand", "normal", "bernoulli", "multinomial", "uniform",
                     "nn.functional.dropout", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
                     "cauchy", "exponential", "geometric", "log_normal", "randint", "randn", "randperm",
@@ -105,7 +109,8 @@ def check_sample(op, sample, dtype: torch.dtype, grad: bool) -> None:
             if isinstance(e, torch.Tensor):
                 assert a.shape == e.shape and a.dtype == e.dtype
         return
-    assert_close(actual_out, expected_out, equal_nan=True, check_device=False, **TOLERANCE[dtype])
+    assert_close(actual_out, expected_out, equal_nan=True, check_device=False, check_dtype=op.name not in CUDA_DTYPES,
+                 **TOLERANCE[dtype])
     if not grad:
         return
     outs_c, outs_d = _differentiable_outputs(expected), _differentiable_outputs(actual)

@@ -96,12 +96,11 @@ def test_module_to_keeps_parameter_identity_and_ties():
 def test_ops_with_a_composite_kernel_run_the_cpu_kernel(dtype):
     """native_layer_norm, native_group_norm and addr have CPU kernels and CompositeExplicitAutograd
     ones; the composite would win over the device's fallback and round differently. The device
-    gives the CPU kernel's bits, statistics' dtype included."""
+    gives the CPU kernel's bits, statistics' dtype included (but for half-precision layer norm)."""
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(shape, generator=g, dtype=dtype) for shape in ((8, 8, 6), (8,), (8,)))
     m = torch.randn(8, 6, generator=g, dtype=dtype)
     calls = {
-        "layer_norm": lambda x, w, b, m: torch.native_layer_norm(x, [6], w[:6], b[:6], 1e-5),
         "group_norm": lambda x, w, b, m: torch.native_group_norm(x, w, b, 8, 8, 6, 2, 1e-5),
         "addr": lambda x, w, b, m: (torch.addr(m, w, b[:6], beta=0.5, alpha=2.0),),
     }
@@ -111,3 +110,36 @@ def test_ops_with_a_composite_kernel_run_the_cpu_kernel(dtype):
         for expected, actual in zip(want, got):
             assert actual.device.type == "neuron" and actual.dtype == expected.dtype, name
             torch.testing.assert_close(actual.cpu(), expected, atol=0, rtol=0, msg=name)
+    if dtype == torch.float32:  # (half-precision layer norm: the next test)
+        want = torch.native_layer_norm(x, [6], w[:6], b[:6], 1e-5)
+        got = torch.native_layer_norm(x.to("neuron"), [6], w[:6].to("neuron"), b[:6].to("neuron"), 1e-5)
+        for expected, actual in zip(want, got):
+            torch.testing.assert_close(actual.cpu(), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_layer_norm_keeps_float32_statistics(dtype):
+    """As on CUDA, and as the meta kernel says: layer norm of half-precision data computes in
+    float32 and returns float32 mean and rstd (the CPU kernel rounds them to the data's dtype).
+    The output and gradients are the float32 computation's, rounded once, so the gradients are
+    closer to float64's than the CPU kernel's."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=g) for shape in ((64, 48), (48,), (48,)))
+    grad = torch.randn(64, 48, generator=g).to(dtype)
+    x, w, b = (t.to(dtype) for t in (x, w, b))
+    out, mean, rstd = torch.native_layer_norm(x.to("neuron"), [48], w.to("neuron"), b.to("neuron"), 1e-5)
+    meta = torch.native_layer_norm(x.to("meta"), [48], w.to("meta"), b.to("meta"), 1e-5)
+    assert [t.dtype for t in (out, mean, rstd)] == [t.dtype for t in meta] == [dtype, torch.float32, torch.float32]
+    want = torch.native_layer_norm(x.float(), [48], w.float(), b.float(), 1e-5)
+    torch.testing.assert_close(out.cpu(), want[0].to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(mean.cpu(), want[1], atol=0, rtol=0)
+    torch.testing.assert_close(rstd.cpu(), want[2], atol=0, rtol=0)
+
+    def grads(device, dtype_):
+        leaves = [t.detach().to(device, dtype_).requires_grad_() for t in (x, w, b)]
+        torch.nn.functional.layer_norm(leaves[0], [48], leaves[1], leaves[2]).backward(grad.to(device, dtype_))
+        return [t.grad.cpu().double() for t in leaves]
+
+    exact, on_cpu, on_neuron = grads("cpu", torch.float64), grads("cpu", dtype), grads("neuron", dtype)
+    for e, c, n in zip(exact, on_cpu, on_neuron):
+        assert (n - e).abs().max() <= (c - e).abs().max()
