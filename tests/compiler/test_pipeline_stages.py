@@ -164,6 +164,20 @@ def test_matmul_epilogue_and_the_softmax_of_its_result_fuse_into_one_kernel():
     assert len(kernel.reads) == 3 and len(kernel.writes) == 1
 
 
+def test_independent_pointwise_kernels_meeting_in_one_op_merge_and_keep_dependencies_in_order():
+    """Chains over different inputs (an optimizer's updates of each state) meet in one op: their
+    kernels merge into one. A kernel reading one of them (the sort) runs after the merged one."""
+    def fn(a, b):
+        x = a * 0.9 + 0.1
+        y = (b * b).sqrt()
+        z = torch.sort(y)[0]
+        return x / (y + 1e-8), z
+
+    plan = plan_of(fn, torch.randn(64, device="neuron"), torch.randn(64, device="neuron"))
+    ops = [[o.op.split("::")[1].split(".")[0] for o in k.ops] for k in plan.kernels]
+    assert ops == [["mul", "add", "mul", "sqrt", "add", "div"], ["sort"]]
+
+
 def _softmax_by_hand(x):
     e = (x - x.amax(-1, keepdim=True)).exp()   # max, then subtract it from the row
     return e / e.sum(-1, keepdim=True)          # sum, then divide the row by it

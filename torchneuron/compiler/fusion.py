@@ -16,7 +16,11 @@ categories):
   reading the same input (a linear layer's backward: input and weight gradients from one load
   of the output gradient); a matmul of a matmul's result starts a kernel of its own;
 - everything else (NKI kernels, convolutions, gathers and scatters, sorts, random, host
-  fallbacks) is a kernel of its own.
+  fallbacks) is a kernel of its own;
+- a pointwise op reading the results of several open pointwise kernels of which none feeds
+  another merges them first (horizontal fusion: an optimizer's updates of its states, begun
+  from different inputs, meet in the parameter update and become one multi-tensor kernel).
+  Kernels are emitted in dependency order.
 
 Pointwise ops without tensor inputs (fills, iotas, scalar constants, 0-d tensors of a program's
 float arguments) are generated inside the kernels that read them: they are no kernel and no HBM
@@ -24,7 +28,8 @@ read. A copy writing a result back into a graph input (an input mutation) is tha
 kernel writing to another address: it joins the kernel producing the result.
 
 A join never creates a cycle between kernels (a kernel may not both feed and consume
-another), never mixes placements, and never grows a kernel past `MAX_OPS`.
+another), never mixes placements, and never grows a kernel past `MAX_OPS` computing ops (the
+write-backs of an optimizer's updated state into its inputs do not count).
 
 SBUF capacity: a kernel applies statistics to the data they were reduced from (a softmax
 subtracting a row's max, a norm dividing by a row's deviation) in one pass only if the row stays
@@ -39,6 +44,7 @@ writes to HBM.
 """
 from __future__ import annotations
 
+import heapq
 import operator
 from dataclasses import dataclass, field
 
@@ -178,6 +184,7 @@ class Group:
     open: bool = True
     succs: set["Group"] = field(default_factory=set)
     streamed: set[Node] = field(default_factory=set)   # data of its reductions whose rows leave SBUF
+    computing: int = 0                                   # its ops but write-backs into graph inputs
 
 
 class _Grouper:
@@ -208,7 +215,7 @@ class _Grouper:
                  inputs: list[Node] = ()) -> bool:
         """Whether a node of `node_role` and iteration `size`, reading `inputs`, the results of
         `producers`, may join `group` (the module docstring's rules)."""
-        if not group.open or group.placement != DEVICE or len(group.nodes) >= MAX_OPS:
+        if not group.open or group.placement != DEVICE or group.computing >= MAX_OPS:
             return False
         if group.streamed and any(_base(a) in group.streamed for a in inputs):
             return False  # re-reads a wide row the kernel reduced: from HBM, in a later kernel
@@ -228,6 +235,32 @@ class _Grouper:
                 if group is not None and group not in producers and reader is not node:
                     found[group] = None
         return list(found)
+
+    def merge_independent(self, producers: list[Group]) -> None:
+        """Merges the open pointwise kernels among `producers` of which none feeds another into
+        one (horizontal fusion: an optimizer's updates of each state, meeting in the parameter
+        update), so that the op reading them all joins a single kernel."""
+        mergeable = [g for g in producers if g.open and g.placement == DEVICE and g.role == "pointwise"]
+        if len(mergeable) < 2:
+            return
+        keep = max(mergeable, key=lambda g: g.size)
+        for other in mergeable:
+            if other is keep or keep.computing + other.computing > MAX_OPS \
+                    or self.reaches(keep, other) or self.reaches(other, keep):
+                continue
+            for node, group in self.group_of.items():
+                if group is other:
+                    self.group_of[node] = keep
+            for group in self.groups:
+                if other in group.succs:
+                    group.succs.discard(other)
+                    group.succs.add(keep)
+            keep.nodes.extend(other.nodes)
+            keep.computing += other.computing
+            keep.size = max(keep.size, other.size)
+            keep.succs |= other.succs - {keep}
+            keep.streamed |= other.streamed
+            other.nodes, other.open, other.succs = [], False, set()
 
     def add(self, node: Node) -> None:
         inputs = [a for a in tree_leaves((node.args, node.kwargs)) if isinstance(a, Node)]
@@ -259,6 +292,9 @@ class _Grouper:
                 chosen = self.nki_calls[call] = Group(len(self.groups), placement, "opaque", open=False)
                 self.groups.append(chosen)
         elif node_role != "opaque":
+            if node_role == "pointwise" and len(producers) > 1:
+                self.merge_independent(producers)
+                producers = [g for g in dict.fromkeys(self.source(a) for a in inputs) if g is not None]
             # a producer's kernel first; else a sibling's (another reader of the same data: the
             # statistics of a norm's backward are reductions of one input, read in one pass)
             candidates = sorted(producers, key=lambda g: -g.size) + self.siblings(node, inputs, producers)
@@ -270,6 +306,7 @@ class _Grouper:
             chosen = Group(len(self.groups), placement, node_role, open=node_role != "opaque")
             self.groups.append(chosen)
         chosen.nodes.append(node)
+        chosen.computing += not writeback
         chosen.size = max(chosen.size, size)
         if wide:
             chosen.streamed.update(_base(a) for a in inputs[:1])
@@ -285,9 +322,37 @@ def fuse(gm: GraphModule, partition: Partition, target: Target | None = None) ->
     """Groups the graph's computing nodes into kernels for `target` (the current one by default);
     returns them in execution order."""
     grouper = _Grouper(partition, target or get_target())
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
         grouper.add(node)
-    return [g.nodes for g in grouper.groups if g.nodes]
+    groups = [g for g in grouper.groups if g.nodes]
+    for group in groups:
+        group.nodes.sort(key=position.__getitem__)
+    return [g.nodes for g in _in_execution_order(groups, position)]
+
+
+def _in_execution_order(groups: list[Group], position: dict[Node, int]) -> list[Group]:
+    """The kernels in an order that runs each after the kernels it reads (merged kernels may
+    have moved past their creation order), otherwise by their first op in the graph."""
+    pending = {g: 0 for g in groups}
+    for group in groups:
+        for succ in group.succs:
+            if succ in pending and succ is not group:
+                pending[succ] += 1
+    first = {g: position[g.nodes[0]] for g in groups}
+    ready = [(first[g], g.index, g) for g in groups if pending[g] == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        _, _, group = heapq.heappop(ready)
+        ordered.append(group)
+        for succ in group.succs:
+            if succ in pending and succ is not group:
+                pending[succ] -= 1
+                if pending[succ] == 0:
+                    heapq.heappush(ready, (first[succ], succ.index, succ))
+    assert len(ordered) == len(groups), "kernel dependencies form a cycle"
+    return ordered
 
 
 # ---------------------------------------------------------------------------------------------
