@@ -188,18 +188,9 @@ GRAD = """add mul exp sum mm addmm softmax nn.functional.layer_norm nn.functiona
 
 # Bugs of the neuron device under torch.compile (each passes eagerly, and with Inductor on CPU
 # tensors in a process without torchneuron).
-NEURON_BUGS = {
-    # The runtime runs the CPU kernel, which returns empty saved statistics in eval mode; the fake
-    # (meta) kernel and Inductor's decomposition give any device but "cpu" CUDA's [C] ones.
-    "native_batch_norm/float32": "eval-mode save_mean/save_invstd: [C] compiled, [0] eagerly (CPU kernel)",
-    "_native_batch_norm_legit/float32": "eval-mode save_mean/save_invstd: [C] compiled, [0] eagerly (CPU kernel)",
-    # The CPU kernels return bf16 statistics for bf16 inputs; the fake kernels and the decompositions
-    # return float32 ones on other devices. (Layer norm computes float32 statistics on neuron, as
-    # on CUDA; batch norm does not yet.)
-    "native_batch_norm/bfloat16": "saved mean/invstd float32 compiled, bfloat16 eagerly (CPU kernel)",
-    "_native_batch_norm_legit/bfloat16": "saved mean/invstd float32 compiled, bfloat16 eagerly (CPU kernel)",
-    "_batch_norm_with_update/bfloat16": "saved mean/invstd float32 compiled, bfloat16 eagerly (CPU kernel)",
-}
+NEURON_BUGS: dict[str, str] = {}
+# (Batch norm in eval mode and half-precision layer and batch norm were here until the device saved
+# CUDA's statistics, which the meta kernels and Inductor's decompositions describe: runtime/csrc/norms.cpp.)
 # Failures Inductor has on the CPU too, with bit-identical results (not neuron's).
 UPSTREAM_LIMITATIONS = {
     # Inductor's decompositions round bf16 intermediates that the eager kernels keep in float32.

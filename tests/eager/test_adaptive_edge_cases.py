@@ -2,8 +2,10 @@
 disagrees with the device kernel, undefined outputs, runs that clone an input and then mutate
 it, bfloat16 rounding inside fused runs, and host-only ZeroTensors under the global mode."""
 import re
+import warnings
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -26,22 +28,32 @@ def assert_same_as_eager(fn, times=4, **tolerance):
 
 
 def test_outputs_the_meta_kernel_mispredicts_are_not_queued(adaptive):
-    """bfloat16 batch norm: the meta kernel says float32 saved statistics, the device kernel (the
-    CPU's) returns bfloat16. The op runs unqueued, and the results are eager's."""
+    """An op whose meta kernel disagrees with the device's outputs (a float64 hypot where the device
+    makes float32) runs unqueued, and the results are eager's. No aten op disagrees on OpInfo's
+    samples today (batch norm in eval mode and half-precision norms did, before the device took
+    CUDA's statistics); the test gives hypot a wrong meta kernel for its duration."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 3, 5, generator=g).bfloat16().to("neuron")
-
-    def fn():
-        out, mean, invstd = torch.ops.aten.native_batch_norm(x * 1, None, None, None, None, True, 0.1, 1e-5)
-        return [t.cpu() for t in (out, mean, invstd)]
-
-    assert_same_as_eager(fn)
-    assert [t.dtype for t in fn()] == [torch.bfloat16] * 3
+    x, y = (torch.randn(4, 5, generator=g).to("neuron") for _ in range(2))
+    wrong = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        wrong.impl("hypot", lambda a, b: torch.empty(a.shape, dtype=torch.float64, device="meta"), "Meta")
+    try:
+        before = eager.stats()
+        assert_same_as_eager(lambda: [torch.hypot(x * 1, y).cpu(), (x + y).cpu()])
+        eager.set_eager_mode("adaptive")
+        after_first = eager.stats()
+        torch.hypot(x * 1, y).cpu()
+        after = eager.stats()
+    finally:
+        wrong._destroy()
+    assert after["unqueued"] - after_first["unqueued"] >= 1 and after_first["queued"] > before["queued"]
+    assert torch.hypot(x.to("meta"), y.to("meta")).dtype == torch.float32   # the real meta kernel is back
 
 
 def test_half_precision_layer_norm_is_queued_and_fused(adaptive):
     """bfloat16 layer norm keeps float32 statistics, as its meta kernel says: it fuses with its
-    neighbours, forward and backward, with eager's bits."""
+    neighbours, forward and backward, with eager's bits. (Batch norm keeps them too.)"""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 24, generator=g).bfloat16().to("neuron")
     w = torch.randn(24, generator=g).bfloat16().to("neuron").requires_grad_()

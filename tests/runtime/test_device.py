@@ -143,3 +143,44 @@ def test_half_precision_layer_norm_keeps_float32_statistics(dtype):
     exact, on_cpu, on_neuron = grads("cpu", torch.float64), grads("cpu", dtype), grads("neuron", dtype)
     for e, c, n in zip(exact, on_cpu, on_neuron):
         assert (n - e).abs().max() <= (c - e).abs().max()
+
+
+def test_half_precision_batch_norm_keeps_float32_statistics_and_updates_its_running_ones():
+    """As on CUDA and as the meta kernel says: batch norm of bfloat16 data saves float32 mean and
+    invstd; the running statistics, bfloat16 like the module, are updated in place."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, generator=g).bfloat16()
+    cpu, dev = torch.nn.BatchNorm1d(3).bfloat16(), torch.nn.BatchNorm1d(3).bfloat16().to("neuron")
+    args = (cpu.weight.detach(), cpu.bias.detach(), cpu.running_mean.clone(), cpu.running_var.clone())
+    out = torch.ops.aten.native_batch_norm(x.to("neuron"), *(t.to("neuron") for t in args), True, 0.1, 1e-5)
+    meta = torch.ops.aten.native_batch_norm(x.to("meta"), *(t.to("meta") for t in args), True, 0.1, 1e-5)
+    assert [t.dtype for t in out] == [t.dtype for t in meta] == [torch.bfloat16, torch.float32, torch.float32]
+    want = torch.ops.aten.native_batch_norm(x.float(), *(t.float() for t in args), True, 0.1, 1e-5)
+    torch.testing.assert_close(out[0].cpu(), want[0].bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(out[1].cpu(), want[1], atol=0, rtol=0)
+
+    x_cpu, x_dev = x.clone().requires_grad_(), x.to("neuron").requires_grad_()
+    cpu(x_cpu).square().sum().backward()
+    dev(x_dev).square().sum().backward()
+    for name in ("running_mean", "running_var"):  # updated, within one bfloat16 rounding of the CPU's
+        assert not torch.equal(getattr(dev, name).cpu(), getattr(torch.nn.BatchNorm1d(3).bfloat16(), name))
+        torch.testing.assert_close(getattr(dev, name).cpu(), getattr(cpu, name), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(x_dev.grad.cpu(), x_cpu.grad, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eval_mode_batch_norm_saves_the_running_statistics_it_used(dtype):
+    """As on CUDA and as the meta kernel says (the CPU kernel saves empty tensors): the running mean
+    and 1 / sqrt(running var + eps), in the compute dtype."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, generator=g).to(dtype)
+    mean, var = torch.rand(3, generator=g).to(dtype), (torch.rand(3, generator=g) + 0.5).to(dtype)
+    for op in (lambda *a: torch.ops.aten.native_batch_norm(*a, False, 0.1, 1e-5),
+               lambda *a: torch.ops.aten._native_batch_norm_legit_no_training(*a, 0.1, 1e-5)):
+        out, saved_mean, saved_invstd = op(*(t.to("neuron") for t in (x, mean, mean, mean, var)))
+        meta = op(*(t.to("meta") for t in (x, mean, mean, mean, var)))
+        assert [(t.shape, t.dtype) for t in (out, saved_mean, saved_invstd)] == [(t.shape, t.dtype) for t in meta]
+        torch.testing.assert_close(saved_mean.cpu(), mean.float(), atol=0, rtol=0)
+        torch.testing.assert_close(saved_invstd.cpu(), 1 / torch.sqrt(var.float() + 1e-5), atol=0, rtol=0)
+        torch.testing.assert_close(out.cpu(), op(x, mean, mean, mean, var)[0], atol=0, rtol=0)

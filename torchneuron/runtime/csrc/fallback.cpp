@@ -208,9 +208,7 @@ struct OpEntry {
   int32_t policy = 0;
   bool returns_view = false;
   c10::SmallVector<uint16_t, 2> generator_args;
-  // Ops computing float32 statistics of half-precision data (float_statistics_results): per
-  // result, the argument whose dtype it has (-1: float32). Empty for every other op.
-  c10::SmallVector<int8_t, 3> float_statistics;
+  NormStatistics norm;  // layer and batch norm ops: their statistics as on CUDA (norms.cpp)
   std::string name;
   std::atomic<int64_t> host_runs{0};
   std::atomic<bool> warned_op{false};
@@ -233,45 +231,6 @@ static bool schema_returns_view(const c10::FunctionSchema& schema) {
       if (!c.beforeSets().empty() && !c.isWrite()) return true;
   }
   return false;
-}
-
-// Layer norm of bfloat16/float16 data computes in float32 and returns its statistics (mean, rstd)
-// in float32 on the NeuronCore, as on CUDA and as PyTorch's meta kernels say for every device but
-// the CPU, whose kernels round them to the input's dtype. A compiled graph or an adaptive eager
-// program (traced with the meta kernels) then holds the tensors eager mode makes. Per op: the
-// argument each result takes its dtype from (-1: float32 statistics). The functional overloads
-// only: an out= call gets the dtypes its outputs have.
-static c10::SmallVector<int8_t, 3> float_statistics_results(const std::string& name) {
-  if (name == "aten::native_layer_norm") return {0, -1, -1};           // (out, mean, rstd)
-  if (name == "aten::native_layer_norm_backward") return {1, 5, 6};    // grads of input, weight, bias
-  return {};
-}
-
-static inline bool is_half_precision(c10::ScalarType t) { return t == c10::kBFloat16 || t == c10::kHalf; }
-
-// Runs such an op's CPU kernel in float32 (float32 copies of its floating operands) when its data
-// is half precision, and rounds each result that is not a statistic to its argument's dtype.
-static bool run_with_float_statistics(const c10::OperatorHandle& op, const OpEntry& entry, Stack* stack) {
-  const size_t nargs = op.schema().arguments().size(), nrets = op.schema().returns().size();
-  const size_t base = stack->size() - nargs;
-  const int8_t data_arg = entry.float_statistics[0];
-  const IValue& data = (*stack)[base + data_arg];
-  if (!data.isTensor() || !is_half_precision(data.toTensor().scalar_type())) return false;
-  c10::SmallVector<c10::ScalarType, 8> dtypes(nargs, c10::kFloat);
-  for (size_t i = 0; i < nargs; ++i) {
-    IValue& v = (*stack)[base + i];
-    if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().is_floating_point()) continue;
-    dtypes[i] = v.toTensor().scalar_type();
-    v = IValue(v.toTensor().to(c10::kFloat));
-  }
-  op.redispatchBoxed(kCPUKeys, stack);
-  const size_t rbase = stack->size() - nrets;
-  for (size_t r = 0; r < nrets && r < entry.float_statistics.size(); ++r) {
-    IValue& v = (*stack)[rbase + r];
-    const int8_t from = entry.float_statistics[r];
-    if (from >= 0 && v.isTensor() && v.toTensor().defined()) v = IValue(v.toTensor().to(dtypes[from]));
-  }
-  return true;
 }
 
 static int32_t python_classify(const std::string& name, bool* ok) {
@@ -298,7 +257,7 @@ static OpEntry& entry_of(const c10::OperatorHandle& op) {
       e->id = static_cast<int32_t>(g_ops.size());
       e->name = c10::toString(op.operator_name());
       e->returns_view = schema_returns_view(schema);
-      e->float_statistics = float_statistics_results(e->name);
+      e->norm = norm_statistics_of(e->name);
       const auto& args = schema.arguments();
       for (size_t i = 0; i < args.size(); ++i) {
         const auto& ty = args[i].type();
@@ -580,7 +539,7 @@ static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* 
       rec.host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     } else if (C10_UNLIKELY(entry.policy & kPolicyImplicitRng)) {
       with_device_rng(index, [&] { op.redispatchBoxed(kCPUKeys, stack); });
-    } else if (C10_LIKELY(entry.float_statistics.empty()) || !run_with_float_statistics(op, entry, stack)) {
+    } else if (C10_LIKELY(entry.norm.result_dtype_from.empty()) || !run_norm_as_cuda(op, entry.norm, stack, kCPUKeys)) {
       op.redispatchBoxed(kCPUKeys, stack);
     }
   }

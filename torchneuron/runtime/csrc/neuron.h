@@ -110,4 +110,19 @@ bool adaptive_is_queued(const at::Tensor& t);
 // `cause` names what needs the work done (counted for torchneuron.eager.stats).
 void adaptive_flush(const char* cause = "flush()");
 
+// ---- layer and batch norm statistics as on CUDA (norms.cpp) ----
+// What the fallback adapts in a norm op's CPU kernel; `result_dtype_from` is empty for other ops.
+struct NormStatistics {
+  std::vector<int8_t> result_dtype_from;  // per result, the argument whose dtype it has (-1: as computed)
+  int8_t data_arg = 0;                    // the argument holding the normalised data
+  bool batch_norm_forward = false;
+  bool always_eval = false;               // _native_batch_norm_legit_no_training
+};
+using IValueRef = c10::IValue*;
+NormStatistics norm_statistics_of(const std::string& op_name);
+// Runs the CPU kernel of a norm op (the dispatcher's `cpu_keys`) computing in float32 for half-precision
+// data and saving eval-mode batch norm's statistics; false (nothing run) when neither applies.
+bool run_norm_as_cuda(const c10::OperatorHandle& op, const NormStatistics& norm, std::vector<c10::IValue>* stack,
+                      c10::DispatchKeySet cpu_keys);
+
 }  // namespace torchneuron
