@@ -154,9 +154,10 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
                 or target.namespace not in ("aten", "prims"):
             continue
-        if target not in lowerings:
+        lowered = target in lowerings
+        if not lowered:
             _register_eager_call(target)
-        if not generated_as_eager(node) or target not in lowerings:
+        if not lowered or not generated_as_eager(node):
             node.meta["should_fallback"] = True
             marked.append(node.name)
     return marked

@@ -37,15 +37,17 @@ on chip: a partition holds its float32 working copy in half its usable SBUF (the
 stages the tiles moving in and out). A wider row (a softmax over a large vocabulary, a batch norm
 over many pixels) is reduced while it streams through, and read again from HBM by a kernel after
 it: an op re-reading the data of a wide reduction of a kernel does not join that kernel. An op
-that both reduces and applies a wide row (softmax, a norm, kept whole) is a kernel of its own. Views and
-`getitem` are free: they belong to no kernel, and reading through one reads the viewed bytes.
-`build_kernels` turns groups into `KernelSpec`s with the tensors each kernel reads from and
-writes to HBM.
+that both reduces and applies a wide row (softmax, a norm, kept whole) is a kernel of its own.
+
+Views and `getitem` are free: they belong to no kernel, and reading through one reads the
+viewed bytes. `build_kernels` turns groups into `KernelSpec`s with the tensors each kernel reads
+from and writes to HBM.
 """
 from __future__ import annotations
 
 import heapq
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -212,7 +214,7 @@ class _Grouper:
         return False
 
     def can_join(self, group: Group, node_role: str, size: int, producers: list[Group],
-                 inputs: list[Node] = ()) -> bool:
+                 inputs: Sequence[Node] = ()) -> bool:
         """Whether a node of `node_role` and iteration `size`, reading `inputs`, the results of
         `producers`, may join `group` (the module docstring's rules)."""
         if not group.open or group.placement != DEVICE or group.computing >= MAX_OPS:

@@ -118,7 +118,6 @@ struct NormStatistics {
   bool batch_norm_forward = false;
   bool always_eval = false;               // _native_batch_norm_legit_no_training
 };
-using IValueRef = c10::IValue*;
 NormStatistics norm_statistics_of(const std::string& op_name);
 // Runs the CPU kernel of a norm op (the dispatcher's `cpu_keys`) computing in float32 for half-precision
 // data and saving eval-mode batch norm's statistics; false (nothing run) when neither applies.

@@ -43,8 +43,8 @@ NormStatistics norm_statistics_of(const std::string& name) {
 
 static inline bool is_half_precision(c10::ScalarType t) { return t == c10::kBFloat16 || t == c10::kHalf; }
 
-// The value of the argument named `name` on the stack, or None.
-static IValueRef argument(const c10::FunctionSchema& schema, Stack* stack, size_t base, const char* name) {
+// The argument named `name` on the stack, or nullptr.
+static IValue* argument(const c10::FunctionSchema& schema, Stack* stack, size_t base, const char* name) {
   for (size_t i = 0; i < schema.arguments().size(); ++i)
     if (schema.arguments()[i].name() == name) return &(*stack)[base + i];
   return nullptr;
@@ -62,7 +62,7 @@ bool run_norm_as_cuda(const c10::OperatorHandle& op, const NormStatistics& norm,
   const bool half = is_half_precision(data_dtype);
   bool eval = false;
   if (norm.batch_norm_forward) {
-    IValueRef training = argument(schema, stack, base, "training");
+    IValue* training = argument(schema, stack, base, "training");
     eval = norm.always_eval || (training && training->isBool() && !training->toBool());
   }
   if (!half && !eval) return false;
@@ -72,8 +72,9 @@ bool run_norm_as_cuda(const c10::OperatorHandle& op, const NormStatistics& norm,
   at::Tensor running_mean, running_var;
   double eps = 0;
   if (eval) {
-    IValueRef mean = argument(schema, stack, base, "running_mean"), var = argument(schema, stack, base, "running_var");
-    IValueRef epsilon = argument(schema, stack, base, "eps");
+    IValue* mean = argument(schema, stack, base, "running_mean");
+    IValue* var = argument(schema, stack, base, "running_var");
+    IValue* epsilon = argument(schema, stack, base, "eps");
     if (mean && mean->isTensor()) running_mean = mean->toTensor();
     if (var && var->isTensor()) running_var = var->toTensor();
     if (epsilon) eps = epsilon->toDouble();
