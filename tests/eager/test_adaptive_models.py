@@ -79,6 +79,7 @@ def _compare(program, base, tight=TIGHT, cpu=CPU, seed=0, fused=True):
         torch.testing.assert_close(on_cpu, want, **cpu)
     if fused:
         _assert_fused_from_cache(stats)
+    assert stats["compile_failures"] == 0, stats
     return got, stats
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
@@ -148,6 +149,9 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
     returns their names."""
     from torch._inductor.lowering import lowerings
 
+    for node in list(gm.graph.nodes):
+        if _foreach(node) and not (node.target in lowerings and generated_as_eager(node)) and _copied_back(node):
+            _call_per_tensor(gm, node)
     marked = []
     for node in gm.graph.nodes:
         target = node.target
@@ -161,6 +165,83 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
             node.meta["should_fallback"] = True
             marked.append(node.name)
     return marked
+
+
+def _foreach(node: Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == "aten" and node.target.__name__.startswith("_foreach_"))
+
+
+def _copied_back(node: Node) -> bool:
+    """Whether a result of foreach `node` is copied into the tensor of its first list it came from.
+    Inductor then makes the node in place, after this module's marking; called as the eager kernel,
+    the in-place op returns nothing for the node's other readers to index, and compiling fails."""
+    firsts = node.args[0]
+    for user in node.users:
+        if user.target is not operator.getitem:
+            continue
+        for reader in user.users:
+            if (reader.target is torch.ops.aten.copy_.default and reader.args[1] is user
+                    and reader.args[0] is firsts[user.args[1]]):
+                return True
+    return False
+
+
+def _per_tensor_overload(packet: Any, values: list[Any]) -> tuple[Any, tuple, dict] | None:
+    """The overload of `packet` that takes `values` (a foreach op's arguments for one tensor, in
+    schema order), with them split into its positional and keyword arguments."""
+    examples = [v.meta["val"] if isinstance(v, Node) else v for v in values]
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        if "out" in name or len(values) > len(schema.arguments):
+            continue
+        positional = [i for i, a in enumerate(schema.arguments[:len(values)]) if not a.kwarg_only]
+        keywords = {a.name: i for i, a in enumerate(schema.arguments[:len(values)]) if a.kwarg_only}
+        try:
+            resolved = torch._C._jit_resolve_packet(packet._qualified_op_name, *[examples[i] for i in positional],
+                                                    **{k: examples[i] for k, i in keywords.items()})
+        except RuntimeError:
+            continue
+        if resolved == name:
+            return (getattr(packet, name), tuple(values[i] for i in positional),
+                    {k: values[i] for k, i in keywords.items()})
+    return None
+
+
+def _call_per_tensor(gm: GraphModule, node: Node) -> None:
+    """Replaces foreach `node` by its op on each tensor, the computation of ATen's CPU foreach kernels
+    (so the same bits), unless some argument or reader does not allow it."""
+    schema_args = node.target._schema.arguments
+    values = []
+    for i, argument in enumerate(schema_args):
+        if i < len(node.args):
+            values.append(node.args[i])
+        elif argument.name in node.kwargs:
+            values.append(node.kwargs[argument.name])
+        elif argument.has_default_value():
+            values.append(argument.default_value)
+        else:
+            return
+    packet = getattr(torch.ops.aten, node.target.__name__.split(".")[0].removeprefix("_foreach_"), None)
+    if packet is None or any(user.target is not operator.getitem for user in node.users):
+        return
+    overloads = []
+    for i in range(len(node.meta["val"])):
+        per_tensor = [v[i] if isinstance(a.type, torch.ListType) else v for a, v in zip(schema_args, values)]
+        found = _per_tensor_overload(packet, per_tensor)
+        if found is None:
+            return
+        overloads.append(found)
+    calls = []
+    for (target, args, kwargs), result in zip(overloads, node.meta["val"]):
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(target, args, kwargs)
+        call.meta["val"] = result
+        calls.append(call)
+    for user in list(node.users):
+        user.replace_all_uses_with(calls[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
 
 
 def _register_eager_call(target: torch._ops.OpOverload) -> None:
