@@ -99,7 +99,13 @@ def _inline(gm: GraphModule, node: Node, traced: GraphModule, tensor_args: list[
                 output = torch.fx.node.map_arg(inner.args[0], lambda n: env[n])
             elif inner.op == "get_attr":
                 name = f"_flex_const_{next(_ids)}"
-                setattr(gm, name, getattr(traced, inner.target))
+                value = getattr(traced, inner.target)
+                if isinstance(value, torch.nn.Module):
+                    gm.add_submodule(name, value)
+                elif isinstance(value, torch.Tensor):
+                    gm.register_buffer(name, value)
+                else:
+                    setattr(gm, name, value)
                 env[inner] = gm.graph.get_attr(name)
                 env[inner].meta.update(inner.meta)
             else:
