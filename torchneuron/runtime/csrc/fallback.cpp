@@ -2,30 +2,22 @@
 //
 // A neuron tensor's bytes are host memory, so an op runs as the CPU kernel on zero-copy CPU
 // aliases of its arguments; fresh results are re-tagged as device memory (adopted by the
-// allocator) instead of copied; in-place and out= results map back to the caller's tensors. View
+// allocator) instead of copied; in-place and out= results map back to the caller's tensors
+// (host_alias.h). Ops the fallback cannot run so have kernels of their own (kernels.cpp). View
 // ops run the CPU metadata kernel on the neuron tensor itself, so views share storage, version
 // counter and _base exactly as on any device. Each op is also appended to the work log, and ops the
 // NeuronCore cannot run (by op or by dtype) are counted, warned about once, or refused in strict
 // mode.
-#include "neuron.h"
+#include "host_alias.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <c10/core/CachingDeviceAllocator.h>
-#include <ATen/EmptyTensor.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/_unsafe_view_native.h>
 #include <ATen/ops/as_strided_native.h>
-#include <ATen/ops/convolution.h>
-#include <ATen/ops/convolution_backward.h>
-#include <ATen/ops/copy_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/DeviceGuard.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 #include <atomic>
@@ -43,155 +35,6 @@ using c10::DispatchKey;
 using c10::DispatchKeySet;
 using c10::IValue;
 using torch::jit::Stack;
-
-static const DispatchKeySet kCPUKeys(DispatchKey::CPU);
-static const DispatchKeySet kNeuronKeys(DispatchKey::PrivateUse1);
-
-// ---------------------------------------------------------------------------------------------
-// Zero-copy CPU aliases and re-tagging
-// ---------------------------------------------------------------------------------------------
-
-// TensorImpl::device_opt_ is protected with no setter: reach it through a derived-class member
-// pointer (legal for protected members).
-struct ImplAccess : c10::TensorImpl {
-  static std::optional<Device>& device_opt(c10::TensorImpl* t) { return t->*(&ImplAccess::device_opt_); }
-};
-
-static inline bool is_neuron(const Tensor& t) {
-  return t.defined() && t.unsafeGetTensorImpl()->device_type() == kNeuron;
-}
-static inline c10::StorageImpl* storage_of(const Tensor& t) {
-  return t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-}
-
-static void release_storage_ref(void* ctx) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(ctx)); }
-
-// A CPU-tagged, non-owning DataPtr over a neuron storage's bytes; it keeps the storage alive.
-static inline c10::DataPtr cpu_data_of(c10::StorageImpl* st) {
-  c10::raw::intrusive_ptr::incref(st);
-  return c10::DataPtr(st->_mutable_data_ptr_no_checks().get(), st, &release_storage_ref, Device(c10::DeviceType::CPU));
-}
-
-// A CPU tensor over the same bytes. It gets a StorageImpl of its own: views made *inside* CPU
-// kernels take their device from the storage, so sharing the neuron StorageImpl would give CPU
-// kernels "neuron" intermediates. VIEW-constructed with key set {CPU}: no autograd, no version
-// counter: the caller is below autograd.
-static c10::Allocator* g_cpu_allocator = nullptr;
-
-// A kernel must never read past a storage: a storage freed (resize_(0)) or shrunk under a tensor
-// that still points into it is a user error, reported instead of reading stray host memory.
-static void check_extent(const c10::TensorImpl* t, const c10::StorageImpl* st) {
-  if (t->numel() == 0) return;
-  int64_t last = t->storage_offset();
-  const auto sizes = t->sizes();
-  const auto strides = t->strides();
-  for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
-  const uint64_t need = static_cast<uint64_t>(last + 1) * t->itemsize();
-  TORCH_CHECK(need <= st->nbytes(), "neuron: this tensor reads ", need, " bytes of a storage that now holds ",
-              st->nbytes(), " (the storage was freed or resized after the tensor was made). Keep the storage "
-              "alive, or re-create the tensor from data that still exists.");
-}
-
-static Tensor cpu_alias(const Tensor& t) {
-  c10::TensorImpl* src = t.unsafeGetTensorImpl();
-  c10::StorageImpl* st = storage_of(t);
-  check_extent(src, st);
-  auto cst = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
-                                                   c10::SymInt(static_cast<int64_t>(st->nbytes())), cpu_data_of(st),
-                                                   g_cpu_allocator, /*resizable=*/true);
-  Tensor a = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(std::move(cst)), kCPUKeys,
-                                                      src->dtype());
-  c10::TensorImpl* ai = a.unsafeGetTensorImpl();
-  ImplAccess::device_opt(ai) = Device(c10::DeviceType::CPU);
-  ai->set_sizes_and_strides(src->sizes(), src->strides(), src->storage_offset());
-  if (C10_UNLIKELY(src->is_conj())) ai->_set_conj(true);
-  if (C10_UNLIKELY(src->is_neg())) ai->_set_neg(true);
-  return a;
-}
-static inline Tensor maybe_alias(const Tensor& t) { return is_neuron(t) ? cpu_alias(t) : t; }
-
-// A neuron tensor over neuron storage `st` with the geometry of `like`.
-static Tensor neuron_tensor_over(const c10::Storage& st, const c10::TensorImpl* like) {
-  Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(st), kNeuronKeys, like->dtype());
-  c10::TensorImpl* ti = t.unsafeGetTensorImpl();
-  ti->set_sizes_and_strides(like->sizes(), like->strides(), like->storage_offset());
-  if (like->is_conj()) ti->_set_conj(true);
-  if (like->is_neg()) ti->_set_neg(true);
-  return t;
-}
-
-// Host memory a CPU kernel produced becomes device memory of `index` (accounted, no copy).
-static void adopt_storage(c10::StorageImpl* st, DeviceIndex index) {
-  c10::DataPtr host = st->set_data_ptr(c10::DataPtr());
-  st->set_data_ptr_noswap(adopt_host_memory(std::move(host), st->nbytes(), index));
-  st->set_allocator(device_allocator());  // later resizes allocate device memory
-}
-
-static Tensor copy_into_device(const Tensor& o, DeviceIndex index) {
-  c10::DeviceGuard guard(Device(kNeuron, index));
-  Tensor d = o.is_non_overlapping_and_dense()
-                 ? at::detail::empty_strided_generic(o.sizes(), o.strides(), device_allocator(), kNeuronKeys,
-                                                     o.scalar_type())
-                 : at::detail::empty_generic(o.sizes(), device_allocator(), kNeuronKeys, o.scalar_type(), std::nullopt);
-  at::AutoDispatchBelowADInplaceOrView below;
-  cpu_alias(d).copy_(o);
-  return d;
-}
-
-// A tensor returned by a CPU kernel -> a neuron tensor over the same memory.
-static Tensor to_device(Tensor o, DeviceIndex index) {
-  c10::TensorImpl* oi = o.unsafeGetTensorImpl();
-  if (oi->device_type() == kNeuron) return o;
-  TORCH_CHECK(oi->has_storage() && oi->layout() == c10::kStrided,
-              "neuron: a CPU kernel returned a tensor without strided storage (layout ", oi->layout(),
-              "); only strided tensors are supported on neuron.");
-  if (oi->_is_zerotensor() || (oi->storage().data() == nullptr && oi->storage().nbytes() > 0)) {
-    return copy_into_device(o._is_zerotensor() ? at::zeros(o.sizes(), o.options()) : o, index);
-  }
-  const c10::Storage& st = oi->unsafe_storage();
-  if (st.device_type() != kNeuron) {
-    if (st.use_count() != 1) return copy_into_device(o, index);  // someone else sees this memory
-    adopt_storage(st.unsafeGetStorageImpl(), index);
-  }
-  const bool keys_match = oi->is_inference() == c10::InferenceMode::is_enabled();
-  if (o.use_count() == 1 && keys_match && !oi->is_wrapped_number()) {
-    ImplAccess::device_opt(oi) = Device(kNeuron, index);
-    oi->_change_backend_component_keys(Device(kNeuron, index));
-    return o;
-  }
-  return neuron_tensor_over(st, oi);
-}
-
-// After a CPU kernel ran on alias `a` (storage `ast`) of neuron tensor `t` (out= / in-place), carry
-// back what it may have changed: a reallocation (resize_), a storage swap (set_), the geometry.
-static void sync_back(const Tensor& a, const Tensor& t, c10::StorageImpl* ast) {
-  c10::TensorImpl* ai = a.unsafeGetTensorImpl();
-  c10::TensorImpl* ti = t.unsafeGetTensorImpl();
-  c10::StorageImpl* cur = ai->unsafe_storage().unsafeGetStorageImpl();
-  c10::StorageImpl* tst = ti->unsafe_storage().unsafeGetStorageImpl();
-  const DeviceIndex index = ti->device().index();
-  if (C10_LIKELY(cur == ast)) {
-    if (C10_UNLIKELY(cur->_mutable_data_ptr_no_checks().get() != tst->_mutable_data_ptr_no_checks().get() ||
-                     cur->nbytes() != tst->nbytes())) {
-      c10::DataPtr host = cur->set_data_ptr(c10::DataPtr());
-      tst->set_data_ptr_noswap(adopt_host_memory(std::move(host), cur->nbytes(), index));
-      tst->set_nbytes(cur->nbytes());
-      cur->set_data_ptr_noswap(cpu_data_of(tst));
-    }
-  } else {
-    c10::Storage st = ai->unsafe_storage();
-    if (st.device_type() != kNeuron) {
-      c10::DeviceGuard guard(Device(kNeuron, index));
-      c10::Storage fresh(c10::Storage::use_byte_size_t(), st.nbytes(), device_allocator(), /*resizable=*/true);
-      if (st.nbytes()) std::memcpy(fresh.mutable_data(), st.data(), st.nbytes());
-      st = fresh;
-    }
-    ti->set_storage_keep_dtype(std::move(st));
-  }
-  if (ai->sizes() != ti->sizes() || ai->strides() != ti->strides() || ai->storage_offset() != ti->storage_offset()) {
-    ti->set_sizes_and_strides(ai->sizes(), ai->strides(), ai->storage_offset());
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The op table: per operator, what the fallback needs to know (computed once)
@@ -301,7 +144,7 @@ static void note_fallback(OpEntry& e, const char* reason_kind, const std::string
   }
 }
 
-[[noreturn]] static void device_mismatch(Device a, Device b) {
+[[noreturn]] void device_mismatch(Device a, Device b) {
   TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ", a, " and ", b,
               "!");
 }
@@ -404,11 +247,6 @@ static constexpr auto neuron_reshape_alias =
 
 void run_op_now(const c10::OperatorHandle& op, Stack* stack) { run_on_device(op, entry_of(op), stack); }
 
-void copy_device_bytes(const Tensor& dst, const Tensor& src) {
-  at::AutoDispatchBelowADInplaceOrView below;
-  Tensor d = cpu_alias(dst);
-  at::native::copy_(d, cpu_alias(src), false);
-}
 
 static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack) {
   if (entry.returns_view) {  // metadata only: run the CPU kernel on the neuron TensorImpl itself
@@ -592,208 +430,6 @@ static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kernels that have no CPU counterpart to fall back to
-// ---------------------------------------------------------------------------------------------
-// Appends one record for work done by a kernel of our own (not the fallback).
-static void record_work(WorkKind kind, const c10::OperatorHandle& op, int32_t flags,
-                        std::initializer_list<const Tensor*> inputs, std::initializer_list<const Tensor*> outputs,
-                        DeviceIndex index) {
-  WorkRecord rec;
-  rec.kind = static_cast<int32_t>(kind);
-  rec.op_id = op_id_of(op);
-  rec.flags = flags;
-  rec.aux = 0;
-  rec.host_seconds = 0;
-  rec.pad = 0;
-  int n = 0;
-  for (const Tensor* t : inputs)
-    if (n < kMaxSigs - 1 && t->defined()) fill_sig(rec.sigs[n++], *t);
-  rec.n_inputs = n;
-  for (const Tensor* t : outputs)
-    if (n < kMaxSigs && t->defined()) fill_sig(rec.sigs[n++], *t);
-  rec.n_sigs = n;
-  for (int k = n; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());  // zeroed: records are hashed
-  worklog_append(rec, index);
-}
-
-static void record_copy(const Tensor& src, const Tensor& dst) {
-  if (!worklog_enabled()) return;
-  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
-  const bool s = is_neuron(src), d = is_neuron(dst);
-  const int32_t flags = s && d ? kDeviceToDevice : (d ? kHostToDevice : kDeviceToHost);
-  record_work(WorkKind::kCopy, handle, flags, {&src}, {&dst}, d ? dst.device().index() : src.device().index());
-}
-
-static void check_copy_devices(const Tensor& src, const Tensor& dst) {
-  if (is_neuron(src)) check_device_index(src.device().index());
-  if (is_neuron(dst)) check_device_index(dst.device().index());
-  auto other_ok = [](const Tensor& t) { return is_neuron(t) || t.device().is_cpu(); };
-  TORCH_CHECK(other_ok(src) && other_ok(dst), "neuron can copy to and from the CPU only, got a copy from ",
-              src.device(), " to ", dst.device(), "; move the tensor to the CPU first.");
-}
-
-Tensor& neuron_copy_(Tensor& self, const Tensor& src, bool non_blocking) {
-  if (C10_UNLIKELY(adaptive_active())) {
-    // A same-dtype device copy into memory the queue did not make (a fresh allocation, an input of
-    // the queued work) waits in the queue like any op. Other copies flush first: fused programs
-    // traced with copies into queued results, or converting copies, computed wrong values (a
-    // Llama's attention mask; fft.hfft2 in the OpInfo sweep).
-    if (is_neuron(self) && is_neuron(src) && self.scalar_type() == src.scalar_type() &&
-        !c10::isComplexType(self.scalar_type()) && !adaptive_is_queued(self)) {
-      static const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
-      static const int32_t id = op_id_of(handle);
-      Stack stack{IValue(self), IValue(src), IValue(non_blocking)};
-      if (adaptive_enqueue(handle, id, &stack)) return self;
-    } else {
-      adaptive_flush(is_neuron(self) && is_neuron(src) ? "copy_ into a queued result" : "copy_ to or from the host");
-    }
-  }
-  check_copy_devices(src, self);
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    Tensor d = maybe_alias(self);
-    at::native::copy_(d, maybe_alias(src), non_blocking);
-  }
-  record_copy(src, self);
-  return self;
-}
-Tensor neuron_copy_from(const Tensor& self, const Tensor& dst, bool non_blocking) {
-  Tensor d = dst;
-  neuron_copy_(d, self, non_blocking);
-  return dst;
-}
-Tensor neuron_copy_from_and_resize(const Tensor& self, const Tensor& dst) {
-  if (dst.sizes() != self.sizes()) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    dst.resize_(self.sizes());
-  }
-  Tensor d = dst;
-  neuron_copy_(d, self, false);
-  return dst;
-}
-Tensor& neuron_set_empty(Tensor& self) {
-  adaptive_flush("set_");  // queued work must be done before this reads or writes device data
-  c10::DeviceGuard guard(self.device());
-  c10::Storage st(c10::Storage::use_byte_size_t(), 0, device_allocator(), true);
-  std::vector<int64_t> size{0}, stride{};
-  return self.set_(st, 0, size, stride);
-}
-
-static void record_op_on(const char* name, const char* overload, std::initializer_list<const Tensor*> ins,
-                         std::initializer_list<const Tensor*> outs, DeviceIndex index) {
-  if (!worklog_enabled()) return;
-  record_work(WorkKind::kOp, c10::Dispatcher::singleton().findSchemaOrThrow(name, overload), 0, ins, outs, index);
-}
-
-static void check_same_neuron_device(std::initializer_list<const Tensor*> ts) {
-  DeviceIndex index = -1;
-  for (const Tensor* t : ts) {
-    if (!t->defined()) continue;
-    if (!is_neuron(*t)) device_mismatch(Device(kNeuron, index < 0 ? 0 : index), t->device());
-    if (index < 0) index = t->device().index();
-    else if (t->device().index() != index) device_mismatch(Device(kNeuron, index), t->device());
-  }
-}
-
-// PyTorch's fake tensors (torch.compile) give a backend's own convolution ("Overrideable")
-// contiguous outputs and gradients, so the device returns them so, whatever layout the host kernel
-// picked (channels_last for channels_last inputs): compiled code indexes them by those strides.
-Tensor neuron_convolution(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
-                          c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
-                          c10::IntArrayRef output_padding, int64_t groups) {
-  adaptive_flush("convolution");  // queued work must be done before this reads or writes device data
-  const Tensor undefined;
-  const Tensor& b = bias.has_value() ? *bias : undefined;
-  check_same_neuron_device({&input, &weight, &b});
-  Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    std::optional<Tensor> cb = b.defined() ? std::optional<Tensor>(cpu_alias(b)) : std::nullopt;
-    out = to_device(at::convolution(cpu_alias(input), cpu_alias(weight), cb, stride, padding, dilation, transposed,
-                                    output_padding, groups).contiguous(),
-                    input.device().index());
-  }
-  record_op_on("aten::convolution_overrideable", "", {&input, &weight}, {&out}, input.device().index());
-  return out;
-}
-
-std::tuple<Tensor, Tensor, Tensor> neuron_convolution_backward(
-    const Tensor& grad_output, const Tensor& input, const Tensor& weight, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
-    int64_t groups, std::array<bool, 3> mask) {
-  adaptive_flush("convolution_backward");  // queued work must be done before this reads or writes device data
-  check_same_neuron_device({&grad_output, &input, &weight});
-  const DeviceIndex index = input.device().index();
-  std::tuple<Tensor, Tensor, Tensor> r;
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
-    r = at::convolution_backward(cpu_alias(grad_output), cpu_alias(input), cpu_alias(weight),
-                                 c10::IntArrayRef(bias_sizes), stride, padding, dilation, transposed, output_padding,
-                                 groups, mask);
-  }
-  auto dev = [&](const Tensor& t) { return t.defined() ? to_device(t.contiguous(), index) : t; };
-  std::tuple<Tensor, Tensor, Tensor> out{dev(std::get<0>(r)), dev(std::get<1>(r)), dev(std::get<2>(r))};
-  record_op_on("aten::convolution_backward_overrideable", "", {&grad_output, &input, &weight},
-               {&std::get<1>(out)}, index);
-  return out;
-}
-
-// Tensor.record_stream: tells the allocator the block is used on `stream` (see recordStream).
-void neuron_record_stream(Tensor& self, c10::Stream stream) {
-  adaptive_flush("record_stream");  // queued work must be done before this reads or writes device data
-  TORCH_CHECK(stream.device_type() == kNeuron, "record_stream expects a neuron stream, got one on ", stream.device());
-  static_cast<c10::DeviceAllocator*>(device_allocator())->recordStream(self.storage().data_ptr(), stream);
-}
-
-// `param.data = neuron_tensor` (Module.to) swaps a tensor's metadata in place only when the two
-// TensorImpls are "shallow-copy compatible"; c10 lists dense backends by name and PrivateUse1 is not
-// among them, so without this Module.to("neuron") would replace parameters and untie shared ones
-// (GPT-2's wte/lm_head). Dense strided CPU and neuron tensors are as compatible as CPU and CUDA.
-bool neuron_has_compatible_shallow_copy_type(const Tensor& self, const Tensor& from) {
-  auto dense_strided = [](const Tensor& t) {
-    return t.layout() == c10::kStrided && (is_neuron(t) || t.device().is_cpu()) && !t.is_quantized() &&
-           !t.is_nested();
-  };
-  return dense_strided(self) && dense_strided(from);
-}
-
-// resize_ and set_ swap a tensor's storage or change its geometry: their CPU kernel runs on the
-// neuron TensorImpl itself. Queued ops were recorded against the old geometry, so they run first
-// (soft_margin_loss's out= kernel resizes its output between queued ops), unless the resize
-// changes nothing.
-void neuron_resize_or_set(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
-  static const c10::OperatorName resize("aten::resize_", "");
-  const size_t base = stack->size() - op.schema().arguments().size();
-  const bool same_size = op.operator_name() == resize && (*stack)[base + 2].isNone() &&
-                         (*stack)[base].toTensor().sym_sizes().equals((*stack)[base + 1].toSymIntList().vec());
-  if (!same_size) adaptive_flush("resize_ or set_ of a tensor");
-  op.redispatchBoxed(kCPUKeys, stack);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Factories
-// ---------------------------------------------------------------------------------------------
-static DeviceIndex factory_device(std::optional<c10::Device> device) {
-  DeviceIndex i = device && device->has_index() ? device->index() : current_device();
-  check_device_index(i);
-  return i;
-}
-Tensor neuron_empty(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
-                    std::optional<c10::Device> device, std::optional<bool>, std::optional<c10::MemoryFormat> mf) {
-  TORCH_CHECK(!layout || *layout == c10::kStrided, "neuron supports strided tensors only, got layout ", *layout);
-  c10::DeviceGuard guard(Device(kNeuron, factory_device(device)));
-  return at::detail::empty_generic(size, device_allocator(), kNeuronKeys, c10::dtype_or_default(dtype), mf);
-}
-Tensor neuron_empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
-                            std::optional<c10::Layout> layout, std::optional<c10::Device> device,
-                            std::optional<bool>) {
-  TORCH_CHECK(!layout || *layout == c10::kStrided, "neuron supports strided tensors only, got layout ", *layout);
-  c10::DeviceGuard guard(Device(kNeuron, factory_device(device)));
-  return at::detail::empty_strided_generic(size, stride, device_allocator(), kNeuronKeys, c10::dtype_or_default(dtype));
-}
-
-// ---------------------------------------------------------------------------------------------
 // Registration
 // ---------------------------------------------------------------------------------------------
 static std::vector<std::unique_ptr<torch::Library>> g_libraries;
@@ -806,25 +442,13 @@ static torch::Library& library(const char* ns) {
 static int64_t g_direct_structured = 0;
 
 static bool g_installed = [] {
-  g_cpu_allocator = c10::GetCPUAllocator();
   library("_").fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
   auto& m = library("aten");
-  m.impl("empty.memory_format", TORCH_FN(neuron_empty));
-  m.impl("empty_strided", TORCH_FN(neuron_empty_strided));
   m.impl("view", TORCH_FN(neuron_view));
   m.impl("as_strided", TORCH_FN(neuron_as_strided));
   m.impl("_reshape_alias", TORCH_FN(neuron_reshape_alias));
   m.impl("_unsafe_view", TORCH_FN(neuron_unsafe_view));
-  for (const char* n : {"resize_", "set_.source_Storage_storage_offset", "set_.source_Storage", "set_.source_Tensor"})
-    m.impl(n, torch::CppFunction::makeFromBoxedFunction<&neuron_resize_or_set>());
-  m.impl("set_", TORCH_FN(neuron_set_empty));
-  m.impl("copy_", TORCH_FN(neuron_copy_));
-  m.impl("record_stream", TORCH_FN(neuron_record_stream));
-  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(neuron_has_compatible_shallow_copy_type));
-  m.impl("_copy_from", TORCH_FN(neuron_copy_from));
-  m.impl("_copy_from_and_resize", TORCH_FN(neuron_copy_from_and_resize));
-  m.impl("convolution_overrideable", TORCH_FN(neuron_convolution));
-  m.impl("convolution_backward_overrideable", TORCH_FN(neuron_convolution_backward));
+  register_device_kernels(m);
 
   // Structured functional/in-place ops reach a backend through a CompositeExplicitAutograd-
   // NonFunctional wrapper (meta function, allocation, then the .out kernel). Sending them straight
@@ -898,33 +522,6 @@ static void reclassify_ops() {
 }
 static int64_t direct_structured_ops() { return g_direct_structured; }
 
-// A zero-copy CPU alias, for Python code that must read device memory on the host (collectives,
-// NKI, serialisation); the alias keeps the device storage alive.
-static Tensor host_view(const Tensor& t) {
-  adaptive_flush("host_view");  // queued work must be done before this reads or writes device data
-  TORCH_CHECK(is_neuron(t), "host_view expects a neuron tensor, got one on ", t.device());
-  // Unlike the fallback's aliases, an ordinary CPU tensor (version counter, autograd keys) that
-  // Python code can use anywhere, in place included.
-  c10::TensorImpl* src = t.unsafeGetTensorImpl();
-  c10::StorageImpl* st = storage_of(t);
-  check_extent(src, st);
-  auto cst = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
-                                                   c10::SymInt(static_cast<int64_t>(st->nbytes())), cpu_data_of(st),
-                                                   g_cpu_allocator, /*resizable=*/false);
-  Tensor a = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(cst)), kCPUKeys, src->dtype());
-  a.unsafeGetTensorImpl()->set_sizes_and_strides(src->sizes(), src->strides(), src->storage_offset());
-  if (src->is_conj()) a.unsafeGetTensorImpl()->_set_conj(true);
-  if (src->is_neg()) a.unsafeGetTensorImpl()->_set_neg(true);
-  return a;
-}
-// The reverse: a neuron tensor over a CPU tensor's bytes (no copy; the memory becomes device memory
-// of `device`, accounted by the allocator when nobody else holds it, copied otherwise).
-static Tensor device_view(const Tensor& t, int64_t device) {
-  TORCH_CHECK(t.device().is_cpu(), "device_view expects a CPU tensor, got one on ", t.device());
-  check_device_index(static_cast<DeviceIndex>(device));
-  return copy_into_device(t, static_cast<DeviceIndex>(device));
-}
-
 TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("host_fallback_counts() -> (str[], int[])", &host_fallback_counts);
   m.def("reset_host_fallback_counts() -> ()", &reset_host_fallback_counts);
@@ -933,10 +530,6 @@ TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("strict() -> bool", &strict);
   m.def("reclassify_ops() -> ()", &reclassify_ops);
   m.def("direct_structured_ops() -> int", &direct_structured_ops);
-}
-TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
-  m.def("host_view(Tensor t) -> Tensor", torch::dispatch(DispatchKey::PrivateUse1, TORCH_FN(host_view)));
-  m.def("device_copy(Tensor t, int device) -> Tensor", torch::dispatch(DispatchKey::CPU, TORCH_FN(device_view)));
 }
 
 }  // namespace torchneuron

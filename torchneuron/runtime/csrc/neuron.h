@@ -10,6 +10,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
+#include <torch/library.h>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -91,8 +92,12 @@ void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId strea
 int32_t op_id_of(const c10::OperatorHandle& op);
 // Runs an op on the device now (the fallback's work, without the adaptive queue).
 void run_op_now(const c10::OperatorHandle& op, std::vector<c10::IValue>* stack);
-// Copies device bytes between two neuron tensors of one shape, off the work log.
+// Copies device bytes between two neuron tensors of one shape, off the work log (host_alias.cpp).
 void copy_device_bytes(const at::Tensor& dst, const at::Tensor& src);
+// Raises PyTorch's error for tensors of two devices in one op.
+[[noreturn]] void device_mismatch(c10::Device a, c10::Device b);
+// Registers the device's own kernels (kernels.cpp) in the PrivateUse1 library of aten.
+void register_device_kernels(torch::Library& m);
 
 // ---- adaptive eager mode's queue (queue.cpp) ----
 // Whether ops reaching the fallback on this thread go through the queue now.
