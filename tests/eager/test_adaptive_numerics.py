@@ -119,6 +119,36 @@ def test_optimizer_steps_give_eager_bits(adaptive, dtype):
         assert torch.equal(a, b)
 
 
+def test_sgd_momentum_steps_with_host_reads_fuse_and_give_eager_bits(adaptive):
+    """SGD's update `_foreach_add(params, bufs, alpha=-lr)` is called as the eager kernel (a
+    multiply-add) and copied back into the parameters, which Inductor makes in place: the program
+    calls it tensor by tensor instead, and compiles."""
+    def train(steps=6):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).to("neuron")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        x = torch.randn(2, 4).to("neuron")
+        losses = []
+        for _ in range(steps):
+            loss = model(x).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())   # a host read ends each step's queue
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    eager.set_eager_mode("eager")
+    want = train()
+    eager.set_eager_mode("adaptive")
+    before = eager.stats()
+    got = train()
+    after = eager.stats()
+    assert after["compile_failures"] == before["compile_failures"]
+    assert after["fused_runs"] > after["compiles"] - before["compiles"] + before["fused_runs"]
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
 def test_generated_ops_are_the_exact_ones():
     """The rule the programs follow, on ops of each kind."""
     aten = torch.ops.aten

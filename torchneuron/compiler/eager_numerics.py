@@ -26,6 +26,10 @@ those ops whole, so a call is the very kernel eager runs. The kernel plan still 
 NeuronCore they are part of the fused kernel like any other op (kept whole, a norm or a softmax
 is priced as one op).
 
+A foreach op called as the eager kernel whose results are copied back into its inputs (an
+optimizer's update) is called tensor by tensor, as ATen's CPU foreach kernels compute it: Inductor
+would make it in place, and an in-place op called as the eager kernel returns no list to index.
+
 `rounding_as_eager()` marks the compilation of a program; the pipeline then calls
 `mark_eager_calls(gm)` after planning.
 """
