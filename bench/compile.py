@@ -10,7 +10,9 @@ modes differ by on Trainium. Adaptive eager gives eager's results bit for bit, s
 call the eager kernels for transcendentals, reductions and norms: on the host they save only the
 launches of the arithmetic they fuse.
 
-    python bench/compile.py [--steps 5] [--rounds 30] [--threads 1]
+    python bench/compile.py [--steps 5] [--rounds 30] [--threads 1] [--dim 64]
+
+Wider models (--dim 128, 256) show how the host ratios move as kernels outweigh per-op overhead.
 """
 from __future__ import annotations
 
@@ -112,11 +114,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per mode")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (compilation)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a shared 2-core host: 1)")
+    parser.add_argument("--dim", type=int, default=64, help="model width (the vocabulary is 4x, the sequence dim/2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    base = TinyGPT()
-    batch = (torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32)))
+    dim, seq, vocab = args.dim, args.dim // 2, 4 * args.dim
+    base = TinyGPT(vocab=vocab, dim=dim, seq=seq)
+    batch = (torch.randint(0, vocab, (8, seq)), torch.randint(0, vocab, (8, seq)))
     modes = [
         Mode("cpu eager", base, "cpu", None, False, batch),
         Mode("cpu inductor", base, "cpu", "inductor", False, batch),
@@ -125,7 +129,7 @@ def main() -> None:
         Mode("neuron compiled", base, "neuron", "neuron", False, batch),
     ]
     print(f"machine: {describe()}")
-    print("model: tiny GPT (2 layers, d=64, 4 heads, vocab 256), batch 8 x 32 tokens, AdamW")
+    print(f"model: tiny GPT (2 layers, d={dim}, 4 heads, vocab {vocab}), batch 8 x {seq} tokens, AdamW")
     for mode in modes:
         start = time.perf_counter()
         mode.run(args.warmup)
