@@ -202,6 +202,32 @@ def test_artifacts_are_written(fresh_dynamo, tmp_path, monkeypatch):
     assert "DeviceProgram.from_json" in (graphs[0] / "generated_code.py").read_text()
 
 
+def test_gelu_and_silu_stay_whole_and_give_eager_bits(fresh_dynamo, tmp_path, monkeypatch):
+    """GELU, SiLU and their derivatives are one Scalar-engine instruction each: the plan prices
+    them as one op, and the host code calls their eager kernels, so the results are eager's."""
+    monkeypatch.setenv("TORCHNEURON_COMPILE_DUMP_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                                torch.nn.SiLU(), torch.nn.Linear(32, 4)).to("neuron")
+    x = torch.randn(8, 16, device="neuron")
+
+    def step(run):
+        run(x).square().mean().backward()
+        grads = [p.grad.cpu() for p in model.parameters()]
+        model.zero_grad()
+        return grads
+
+    want = step(model)
+    cache.clear()
+    got = step(torch.compile(model, backend="neuron"))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ops = set()
+    for cost in tmp_path.glob("graph_*/cost.json"):
+        ops |= {op.split("::")[1].split(".")[0] for k in json.loads(cost.read_text())["per_kernel"] for op in k["ops"]}
+    assert {"gelu", "gelu_backward", "silu", "silu_backward"} <= ops, sorted(ops)
+    assert "erf" not in ops and "sigmoid" not in ops
+
+
 def test_artifacts_are_complete_when_the_graph_is_in_the_caches(fresh_dynamo, tmp_path, monkeypatch):
     def fn(x):
         return (x @ x).relu() + 1

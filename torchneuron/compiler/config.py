@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-VERSION = "11"  # bump when a change to the pipeline must invalidate cached graphs
+VERSION = "12"  # bump when a change to the pipeline must invalidate cached graphs
 
 
 def fallback_to_eager() -> bool:

@@ -5,8 +5,9 @@ The core op set is what the rest of the pipeline understands: ATen's core ops an
 kernels. The table is Inductor's (so every op that remains has a lowering or a fallback),
 minus:
 
-- ops kept whole because they are one NKI kernel or a fused device kernel
-  (`KEEP_WHOLE`);
+- ops kept whole because they are one NKI kernel, a fused device kernel or one activation
+  instruction (`KEEP_WHOLE`); Inductor's code for the host calls their eager kernels, so their
+  results are eager's too;
 - random decompositions: random ops stay the ops eager runs, drawing the same numbers from
   the device generator as eager does with the same seed (Inductor's `fallback_random`).
 
@@ -24,11 +25,17 @@ import torch
 
 aten = torch.ops.aten
 
-# Never decompose these: each is a single NeuronCore kernel in the plan.
+# Never decompose these: each is a single NeuronCore kernel in the plan (attention, dropout), or a
+# single instruction of the Scalar engine, whose activation functions include GELU and SiLU and
+# their derivatives (decomposed, they would be priced as a chain of Vector-engine instructions).
 KEEP_WHOLE: tuple[Any, ...] = (
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten.native_dropout.default,
+    aten.gelu.default,
+    aten.gelu_backward.default,
+    aten.silu.default,
+    aten.silu_backward.default,
 )
 
 
@@ -118,9 +125,18 @@ def program_decompositions() -> dict[Any, Callable[..., Any]]:
     return {**program_table(core_decompositions()), **_PROGRAM_ONLY}
 
 
+class _CoreTable(dict):
+    """The core table as compile_fx's `decompositions`. Inductor pickles its compile options into
+    its on-disk cache keys, and some decompositions are C++ functions, which do not pickle: this
+    table pickles as the function that builds it (what it holds is part of the pipeline's
+    VERSION, which the cache keys include too)."""
+
+    def __reduce__(self) -> tuple:
+        return core_decompositions, ()
+
+
 def for_compile_fx() -> dict[Any, Callable[..., Any]] | None:
     """What to pass as compile_fx's `decompositions`: None when the table equals Inductor's own
-    under the neuron configuration (then Inductor selects it itself and its on-disk cache keys
-    stay picklable), the table otherwise."""
+    under the neuron configuration (then Inductor selects it itself), the core table otherwise."""
     inductor = _inductor_table()
-    return None if not any(op in inductor for op in KEEP_WHOLE) else core_decompositions()
+    return None if not any(op in inductor for op in KEEP_WHOLE) else _CoreTable(core_decompositions())

@@ -153,6 +153,8 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
     returns their names."""
     from torch._inductor.lowering import lowerings
 
+    from torchneuron.compiler.codegen import register_eager_kernel_lowering
+
     for node in list(gm.graph.nodes):
         if _foreach(node) and not (node.target in lowerings and generated_as_eager(node)) and _copied_back(node):
             _call_per_tensor(gm, node)
@@ -164,7 +166,7 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
             continue
         lowered = target in lowerings
         if not lowered:
-            _register_eager_call(target)
+            register_eager_kernel_lowering(target)
         if not lowered or not generated_as_eager(node):
             node.meta["should_fallback"] = True
             marked.append(node.name)
@@ -246,18 +248,6 @@ def _call_per_tensor(gm: GraphModule, node: Node) -> None:
         user.replace_all_uses_with(calls[user.args[1]])
         gm.graph.erase_node(user)
     gm.graph.erase_node(node)
-
-
-def _register_eager_call(target: torch._ops.OpOverload) -> None:
-    """Gives Inductor a lowering that calls `target`'s eager kernel, with the layout constraint its
-    implicit fallback would choose (programs are forward graphs). Registered here because the
-    implicit path refuses, when the `CI` environment variable is set, any op that has a
-    decomposition, and keeping such ops whole is the point of this module."""
-    from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
-    from torch._library.utils import get_layout_constraint_tag
-
-    constraint = tag_to_layout_constraint(get_layout_constraint_tag(target, with_default=True))
-    make_fallback(target, layout_constraint=constraint, warn=False, override_decomp=True)
 
 
 def program_table(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
