@@ -50,6 +50,20 @@ static void check_extent(const c10::TensorImpl* t, const c10::StorageImpl* st) {
               "alive, or re-create the tensor from data that still exists.");
 }
 
+// A CPU StorageImpl over neuron storage `st`'s bytes; it keeps `st` alive.
+static c10::Storage cpu_storage_over(c10::StorageImpl* st, bool resizable) {
+  return c10::Storage(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
+                                                            c10::SymInt(static_cast<int64_t>(st->nbytes())),
+                                                            cpu_data_of(st), g_cpu_allocator, resizable));
+}
+
+// Gives `dst` the sizes, strides, offset and conjugate/negative bits of `like`.
+static void copy_geometry(c10::TensorImpl* dst, const c10::TensorImpl* like) {
+  dst->set_sizes_and_strides(like->sizes(), like->strides(), like->storage_offset());
+  if (C10_UNLIKELY(like->is_conj())) dst->_set_conj(true);
+  if (C10_UNLIKELY(like->is_neg())) dst->_set_neg(true);
+}
+
 // A CPU tensor over the same bytes. It gets a StorageImpl of its own: views made *inside* CPU
 // kernels take their device from the storage, so sharing the neuron StorageImpl would give CPU
 // kernels "neuron" intermediates. VIEW-constructed with key set {CPU}: no autograd, no version
@@ -58,26 +72,18 @@ Tensor cpu_alias(const Tensor& t) {
   c10::TensorImpl* src = t.unsafeGetTensorImpl();
   c10::StorageImpl* st = storage_of(t);
   check_extent(src, st);
-  auto cst = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
-                                                   c10::SymInt(static_cast<int64_t>(st->nbytes())), cpu_data_of(st),
-                                                   g_cpu_allocator, /*resizable=*/true);
-  Tensor a = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(std::move(cst)), kCPUKeys,
-                                                      src->dtype());
+  Tensor a = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, cpu_storage_over(st, /*resizable=*/true),
+                                                      kCPUKeys, src->dtype());
   c10::TensorImpl* ai = a.unsafeGetTensorImpl();
   ImplAccess::device_opt(ai) = Device(c10::DeviceType::CPU);
-  ai->set_sizes_and_strides(src->sizes(), src->strides(), src->storage_offset());
-  if (C10_UNLIKELY(src->is_conj())) ai->_set_conj(true);
-  if (C10_UNLIKELY(src->is_neg())) ai->_set_neg(true);
+  copy_geometry(ai, src);
   return a;
 }
 
 // A neuron tensor over neuron storage `st` with the geometry of `like`.
 Tensor neuron_tensor_over(const c10::Storage& st, const c10::TensorImpl* like) {
   Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(st), kNeuronKeys, like->dtype());
-  c10::TensorImpl* ti = t.unsafeGetTensorImpl();
-  ti->set_sizes_and_strides(like->sizes(), like->strides(), like->storage_offset());
-  if (like->is_conj()) ti->_set_conj(true);
-  if (like->is_neg()) ti->_set_neg(true);
+  copy_geometry(t.unsafeGetTensorImpl(), like);
   return t;
 }
 
@@ -170,13 +176,9 @@ static Tensor host_view(const Tensor& t) {
   c10::TensorImpl* src = t.unsafeGetTensorImpl();
   c10::StorageImpl* st = storage_of(t);
   check_extent(src, st);
-  auto cst = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(),
-                                                   c10::SymInt(static_cast<int64_t>(st->nbytes())), cpu_data_of(st),
-                                                   g_cpu_allocator, /*resizable=*/false);
-  Tensor a = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(cst)), kCPUKeys, src->dtype());
-  a.unsafeGetTensorImpl()->set_sizes_and_strides(src->sizes(), src->strides(), src->storage_offset());
-  if (src->is_conj()) a.unsafeGetTensorImpl()->_set_conj(true);
-  if (src->is_neg()) a.unsafeGetTensorImpl()->_set_neg(true);
+  Tensor a = at::detail::make_tensor<c10::TensorImpl>(cpu_storage_over(st, /*resizable=*/false), kCPUKeys,
+                                                      src->dtype());
+  copy_geometry(a.unsafeGetTensorImpl(), src);
   return a;
 }
 // The reverse: a neuron tensor over a CPU tensor's bytes (no copy; the memory becomes device memory
