@@ -103,11 +103,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from torchneuron.compiler.pipeline import NeuronGraphPass
-
     from torch._inductor.lowering import lowerings
 
     from torchneuron.compiler.decompositions import KEEP_WHOLE
+    from torchneuron.compiler.pipeline import NeuronGraphPass
 
     register_device_op_overrides("neuron", NeuronDeviceOpOverrides())
     register_backend_for_device("neuron", CppScheduling, NeuronWrapperCodegen, CppWrapperCpu,

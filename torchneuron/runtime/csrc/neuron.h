@@ -10,10 +10,13 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>
-#include <torch/library.h>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+namespace torch {
+class Library;
+}  // namespace torch
 
 namespace torchneuron {
 
