@@ -28,13 +28,6 @@
 #include <vector>
 
 namespace torchneuron {
-using at::Tensor;
-using c10::Device;
-using c10::DeviceIndex;
-using c10::DispatchKey;
-using c10::DispatchKeySet;
-using c10::IValue;
-using torch::jit::Stack;
 
 // ---------------------------------------------------------------------------------------------
 // The op table: per operator, what the fallback needs to know (computed once)

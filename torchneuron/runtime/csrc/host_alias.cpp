@@ -15,10 +15,6 @@
 #include <cstring>
 
 namespace torchneuron {
-using at::Tensor;
-using c10::Device;
-using c10::DeviceIndex;
-using c10::DispatchKey;
 
 // TensorImpl::device_opt_ is protected with no setter: reach it through a derived-class member
 // pointer (legal for protected members).

@@ -8,6 +8,15 @@
 
 namespace torchneuron {
 
+// The names the runtime's op-level files (fallback, kernels, host aliases) share.
+using at::Tensor;
+using c10::Device;
+using c10::DeviceIndex;
+using c10::DispatchKey;
+using c10::DispatchKeySet;
+using c10::IValue;
+using torch::jit::Stack;
+
 inline const c10::DispatchKeySet kCPUKeys{c10::DispatchKey::CPU};
 inline const c10::DispatchKeySet kNeuronKeys{c10::DispatchKey::PrivateUse1};
 

@@ -14,13 +14,6 @@
 #include <torch/library.h>
 
 namespace torchneuron {
-using at::Tensor;
-using c10::Device;
-using c10::DeviceIndex;
-using c10::DispatchKey;
-using c10::DispatchKeySet;
-using c10::IValue;
-using torch::jit::Stack;
 
 // Appends one record for work done by a kernel of our own (not the fallback).
 static void record_work(WorkKind kind, const c10::OperatorHandle& op, int32_t flags,
