@@ -37,7 +37,7 @@ def _model(width: int, depth: int, device: str = "neuron") -> nn.Module:
 
 def _modeled_now() -> float:
     from torchneuron.hardware.timeline import get_timeline
-    from torchneuron.runtime import worklog
+    from torchneuron.hardware import worklog
 
     torch.neuron.synchronize()
     worklog.drain()

@@ -79,7 +79,7 @@ def transformer_step(device: str):
 
 
 def main() -> None:
-    print(f"machine: {describe()}; timeline {'on' if torchneuron.runtime.worklog.is_enabled() else 'off'}")
+    print(f"machine: {describe()}; timeline {'on' if torchneuron.hardware.worklog.is_enabled() else 'off'}")
     cpu, neuron = tiny_op_cases()
     print(f"{'tiny op':<20}{'cpu us':>10}{'neuron us':>12}{'added us':>10}{'ratio':>8}")
     added = []

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torchneuron  # noqa: F401  (registers the device)
 from torchneuron.hardware.model import Cost, op_cost
 from torchneuron.hardware.timeline import DeviceTimeline, add_listener, remove_listener
-from torchneuron.runtime import worklog
+from torchneuron.hardware import worklog
 
 Step = Callable[[], object]
 

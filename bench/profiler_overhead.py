@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import torchneuron  # noqa: F401  (registers the device)
 import torchneuron.profiler as neuron_profiler
-from torchneuron.runtime import worklog
+from torchneuron.hardware import worklog
 
 Step = Callable[[], None]
 MODES = {"off": None, "cpu": [ProfilerActivity.CPU],

@@ -16,9 +16,23 @@ def _autoload() -> None:
     """
 
 
-from torchneuron.runtime import register as _register  # noqa: E402
+import torch  # noqa: E402
 
-_register()
+from torchneuron.runtime import register as _register_runtime  # noqa: E402
+
+_register_runtime()  # the C++ library: allocator, guard, hooks, generators, the CPU fallback
+
+from torchneuron.hardware import install as _install_hardware  # noqa: E402
+
+_install_hardware()  # the work log priced on the device timeline, memory sized by the target
+
+from torchneuron.ops import install as _install_ops  # noqa: E402
+
+_install_ops()  # the CPU-fallback policy, host-side printing
+
+from torchneuron import neuron_module as _neuron_module  # noqa: E402
+
+torch._register_device_module("neuron", _neuron_module)  # torch.neuron
 
 from torchneuron.distributed import register as _register_distributed  # noqa: E402
 

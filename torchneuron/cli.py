@@ -10,23 +10,7 @@ import platform
 import sys
 from typing import Sequence
 
-ENVIRONMENT_VARIABLES = {
-    "TORCHNEURON_TARGET": "trn1 | trn2 (default) | trn3: the Trainium generation modeled",
-    "TORCHNEURON_DEVICE_COUNT": "number of logical neuron devices in a process (default 2)",
-    "TORCHNEURON_MEMORY_CAPACITY": "modeled HBM per device, e.g. 8GiB (default: the target's HBM per core)",
-    "TORCHNEURON_STRICT": "1: an op that would fall back to the CPU raises instead",
-    "TORCHNEURON_TIMELINE": "0: do not record device work (no modeled timing)",
-    "TORCHNEURON_AUTOGRAD_THREADS": "1: keep autograd's per-device worker threads (off by default: slower here)",
-    "TORCHNEURON_PROFILER_MAX_EVENTS": "most device events one profile keeps (default 1,000,000)",
-    "TORCHNEURON_EAGER_MODE": "adaptive: queue eager ops and dispatch fused runs",
-    "TORCHNEURON_COMPILE_FALLBACK": "eager: run graphs that fail to compile eagerly (default raise)",
-    "TORCHNEURON_COMPILE_DUMP_DIR": "directory for each compiled graph's artifacts",
-    "TORCHNEURON_COMPILE_CACHE_DIR": "on-disk cache of compiled graphs",
-    "TORCHNEURON_NKI_ALIAS": "1: neuronxcc.nki / nki import this package's NKI",
-    "TORCHNEURON_DIST_CHECKS": "0: skip the per-collective cross-rank shape check",
-    "TORCHNEURON_DIST_OVERLAP": "0: charge collectives on the issuing stream",
-}
-
+from torchneuron import settings
 
 def _info(args: argparse.Namespace) -> int:
     import torch
@@ -44,9 +28,10 @@ def _info(args: argparse.Namespace) -> int:
         free, total = torch.neuron.mem_get_info(i)
         print(f"  neuron:{i}  capacity {total / 2**30:.2f} GiB, free {free / 2**30:.2f} GiB")
     print("environment:")
-    for name, meaning in ENVIRONMENT_VARIABLES.items():
-        value = os.environ.get(name)
-        print(f"  {name:<30} {value if value is not None else '(unset)':<8}  {meaning}")
+    for field in settings.variables():
+        name, value = field.metadata["env"], os.environ.get(field.metadata["env"])
+        meaning = field.metadata["meaning"].replace("`", "")
+        print(f"  {name:<34} {value if value is not None else '(unset)':<8}  {meaning}")
     return 0
 
 

@@ -11,6 +11,8 @@ import torchneuron.compiler
 from torchneuron.compiler import NeuronCompileError, cache
 from torchneuron.hardware import estimate
 
+from tests.models import GeluMLP
+
 
 def fn(x, y):
     return torch.relu(x @ y + 2).sum(dim=0) * 3
@@ -46,19 +48,10 @@ def test_compile_matches_eager_on_neuron_and_cpu(fresh_dynamo):
     torch.testing.assert_close(out.cpu(), fn(x.cpu(), y.cpu()), atol=1e-5, rtol=1e-5)
 
 
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
 def test_default_backend_and_module_compile(fresh_dynamo):
     # (Module.compile() on a bare torch.nn container compiles nothing in torch 2.13: Dynamo skips
     # frames of torch.nn itself, so the model is a user module.)
-    model = MLP().to("neuron")
+    model = GeluMLP(d_in=8, hidden=16, norm=False).to("neuron")
     x = torch.randn(5, 8, device="neuron")
     expected = model(x)
     previous = torch.compiler.get_default_backend()
@@ -133,7 +126,7 @@ def test_compiled_graph_charges_fewer_kernels_and_less_time_than_eager(fresh_dyn
 def test_event_timing_around_a_compiled_graph_counts_eager_work_issued_before_it(fresh_dynamo):
     # Without a listener, a graph's plan is charged at once and eager work still in the work log
     # is applied later: events must time the same as when everything is applied in order.
-    from torchneuron.runtime.worklog import drain
+    from torchneuron.hardware.worklog import drain
 
     compiled = torch.compile(lambda x: (x @ x).relu().sum(0), backend="neuron")
     x = torch.randn(256, 256, device="neuron")

@@ -6,16 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.models import GeluMLP
+
 TOL = dict(atol=2e-5, rtol=2e-5)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.norm = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4), torch.nn.LayerNorm(32)
-
-    def forward(self, x):
-        return self.fc2(self.norm(F.gelu(self.fc1(x))))
 
 
 class CNN(torch.nn.Module):
@@ -61,7 +54,7 @@ def check_training(base, batches, loss_fn, tol=TOL):
 
 def test_mlp_inference_and_training():
     torch.manual_seed(0)
-    base = MLP()
+    base = GeluMLP(hidden=32)
     x = torch.randn(8, 16)
     model = copy.deepcopy(base).to("neuron").eval()
     with torch.no_grad():

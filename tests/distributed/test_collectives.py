@@ -153,7 +153,7 @@ def _subgroups(r: int, w: int) -> dict:
 def _timeline(r: int, w: int) -> dict:
     """Modeled device time of a step with a 64 MiB all-reduce and independent matmuls, sync vs async."""
     from torchneuron.hardware.timeline import get_timeline
-    from torchneuron.runtime import worklog
+    from torchneuron.hardware import worklog
 
     device = torch.neuron.current_device()
     timeline = get_timeline(device)

@@ -15,6 +15,8 @@ import torchneuron.eager as eager
 from torchneuron.hardware import estimate
 from torchneuron.runtime import host_view
 
+from tests.models import GeluMLP
+
 
 def program(x, w):
     y = (x @ w).relu() * 2 + 1                 # matmul + epilogue
@@ -129,15 +131,6 @@ def test_side_streams_keep_their_order(adaptive):
     assert flushed_for_stream
 
 
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.norm = torch.nn.Linear(16, 64), torch.nn.Linear(64, 4), torch.nn.LayerNorm(64)
-
-    def forward(self, x):
-        return self.fc2(self.norm(F.gelu(self.fc1(x))))
-
-
 def _train(model, steps, start=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -154,7 +147,7 @@ def _train(model, steps, start=0):
 
 def test_training_loop_matches_eager_compiles_once_and_dispatches_fewer_kernels(adaptive):
     torch.manual_seed(0)
-    base = MLP()
+    base = GeluMLP(hidden=64)
     eager.set_eager_mode("eager")
     reference = copy.deepcopy(base).to("neuron")
     want, ref_opt = _train(reference, 5)

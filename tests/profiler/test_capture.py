@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import torchneuron.profiler as neuron_profiler
 from torchneuron.hardware.model import Cost, launch_cost, op_cost
 from torchneuron.profiler.capture import DeviceCapture
-from torchneuron.runtime import charge, worklog
+from torchneuron.hardware import worklog
+from torchneuron.hardware.worklog import charge
 from torchneuron.runtime.extension import ops
 
 from .conftest import here

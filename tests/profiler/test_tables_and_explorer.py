@@ -151,7 +151,7 @@ def test_tables_read_with_pyarrow_filters(planted):
 def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
     from torchneuron.hardware.model import Cost
     from torchneuron.nki.scheduler import Record
-    from torchneuron.runtime import charge
+    from torchneuron.hardware.worklog import charge
 
     torch.neuron.synchronize()  # all streams start together
     trace = [Record("nc_matmul", "tensor", 0.0, 2e-6, "k.py:3"), Record("dma", "dma", 1e-6, 3e-6, "k.py:4")]

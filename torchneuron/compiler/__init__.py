@@ -46,19 +46,12 @@ def _register_dynamo() -> None:
     device_interface.register()
 
 
-_inductor_registered = False
-
-
 def register_inductor() -> None:
     """Registers Inductor's C++ code generation and the graph pipeline for "neuron" (idempotent)."""
-    global _inductor_registered
-    if _inductor_registered:
-        return
-    from torchneuron.compiler import codegen
+    from torchneuron.compiler.registration import register_inductor as register_codegen
 
     _register_dynamo()
-    codegen.register()
-    _inductor_registered = True
+    register_codegen()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -29,7 +29,7 @@ from torch.fx import GraphModule
 
 from torchneuron.compiler import artifacts, cache, config, patterns
 from torchneuron.compiler.errors import NeuronCompileError
-from torchneuron.eager.recording import worklog_paused
+from torchneuron.runtime.worklog import worklog_paused
 
 SUPPORTED_MODES = (None, "default")
 INDUCTOR_PATCHES: dict[str, Any] = {
@@ -89,7 +89,7 @@ def compile_graph(gm: GraphModule, example_inputs: list[Any], **kwargs: Any) -> 
     with failures named and the generated code written to the dump directory."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    from torchneuron.compiler.codegen import PLAN_META_KEY
+    from torchneuron.compiler.plan import PLAN_META_KEY
 
     try:
         compiled = compile_fx_inner(gm, example_inputs, **kwargs)
@@ -131,7 +131,7 @@ def _compile(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]
 def neuron_backend(gm: GraphModule, example_inputs: list[Any], *, mode: str | None = None,
                    options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """Compiles one captured graph for the neuron device (the `torch.compile` backend)."""
-    from torchneuron.compiler import register_inductor
+    from torchneuron.compiler.registration import register_inductor
 
     register_inductor()
     _check_mode(mode)

@@ -9,22 +9,17 @@ correct kernels for it; this module owns the pieces that make Inductor accept th
   memory) and embeds the graph's `DeviceProgram` (the fused-kernel
   plan built by `pipeline.NeuronGraphPass`), so the generated module charges its kernels to the
   device timeline on every call, also when Inductor's caches reload it in a later process;
-- `register()`: registers both, with the graph pass as the device's custom post-grad pass, and
-  a lowering calling the eager kernel for each op the core op set keeps whole that Inductor has
-  none for (`register_eager_kernel_lowering`).
+registration.py registers both with Inductor.
 """
 from __future__ import annotations
 
 import torch
-from torch._inductor.codegen.common import (
-    DeviceOpOverrides, register_backend_for_device, register_device_op_overrides,
-)
-from torch._inductor.codegen.cpp import CppScheduling
-from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+from torch._inductor.codegen.common import DeviceOpOverrides
 from torch._inductor.codegen.wrapper import PythonWrapperCodegen, SubgraphPythonWrapperCodegen
 from torch._inductor.virtualized import V
 
-PLAN_META_KEY = "torchneuron_plan"
+from torchneuron.compiler.plan import PLAN_META_KEY
+
 PROGRAM_NAME = "_neuron_program"
 
 
@@ -93,38 +88,3 @@ class NeuronWrapperCodegen(PythonWrapperCodegen):
         super().generate_after_suffix(result)
         if _current_plan() is not None:
             result.writeline(f"call = {PROGRAM_NAME}.wrap(call)")
-
-
-_registered = False
-
-
-def register() -> None:
-    """Registers Inductor's C++ backend, the wrapper and the graph pass for "neuron" (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    from torch._inductor.lowering import lowerings
-
-    from torchneuron.compiler.decompositions import KEEP_WHOLE
-    from torchneuron.compiler.pipeline import NeuronGraphPass
-
-    register_device_op_overrides("neuron", NeuronDeviceOpOverrides())
-    register_backend_for_device("neuron", CppScheduling, NeuronWrapperCodegen, CppWrapperCpu,
-                                device_custom_pass=NeuronGraphPass())
-    for op in KEEP_WHOLE:
-        if op not in lowerings:
-            register_eager_kernel_lowering(op)
-    _registered = True
-
-
-def register_eager_kernel_lowering(target: torch._ops.OpOverload) -> None:
-    """Gives Inductor a lowering that calls `target`'s eager kernel, with the layout constraint
-    Inductor's implicit fallback would choose for a forward graph (its kernels take any strides).
-    Registered here because the implicit path refuses, when the `CI` environment variable is set,
-    any op that has a decomposition, and the neuron compiler keeps some such ops whole on purpose
-    (decompositions.KEEP_WHOLE, adaptive eager's eager_numerics)."""
-    from torch._inductor.lowering import make_fallback, tag_to_layout_constraint
-    from torch._library.utils import get_layout_constraint_tag
-
-    constraint = tag_to_layout_constraint(get_layout_constraint_tag(target, with_default=True))
-    make_fallback(target, layout_constraint=constraint, warn=False, override_decomp=True)

@@ -1,4 +1,4 @@
-"""Settings of the neuron compiler, read from the environment at each use.
+"""Settings of the neuron compiler, read from the environment (torchneuron/settings.py) at each use.
 
 | variable | effect |
 |---|---|
@@ -9,18 +9,18 @@
 """
 from __future__ import annotations
 
-import os
+from torchneuron import settings
 
 VERSION = "12"  # bump when a change to the pipeline must invalidate cached graphs
 
 
 def fallback_to_eager() -> bool:
-    return os.environ.get("TORCHNEURON_COMPILE_FALLBACK", "raise").strip().lower() == "eager"
+    return settings.current().compile_fallback == "eager"
 
 
 def dump_dir() -> str | None:
-    return os.environ.get("TORCHNEURON_COMPILE_DUMP_DIR") or None
+    return settings.current().compile_dump_dir
 
 
 def cache_dir() -> str | None:
-    return os.environ.get("TORCHNEURON_COMPILE_CACHE_DIR") or None
+    return settings.current().compile_cache_dir

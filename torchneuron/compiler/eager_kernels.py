@@ -32,11 +32,11 @@ def compile_replay(replay: Callable[..., None], example_inputs: list[torch.Tenso
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from torchneuron.compiler import register_inductor
+    from torchneuron.compiler.registration import register_inductor
     from torchneuron.compiler.backend import INDUCTOR_PATCHES
     from torchneuron.compiler.decompositions import program_decompositions
     from torchneuron.compiler.eager_numerics import rounding_as_eager
-    from torchneuron.eager.recording import worklog_paused
+    from torchneuron.runtime.worklog import worklog_paused
 
     register_inductor()
     # Tracing and compiling must not meet a dispatch mode (the flush compiling this has the queue off).

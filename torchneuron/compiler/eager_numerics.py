@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.fx import GraphModule, Node
 
+from torchneuron.compiler.lowerings import register_eager_kernel_lowering
 from torchneuron.hardware.model import base_name, classify
 
 # Ops whose generated code rounds as ATen's kernel (their base names, without the in-place "_"),
@@ -152,8 +153,6 @@ def mark_eager_calls(gm: GraphModule) -> list[str]:
     differently (or which the program's decomposition table kept whole, whatever its dtype);
     returns their names."""
     from torch._inductor.lowering import lowerings
-
-    from torchneuron.compiler.codegen import register_eager_kernel_lowering
 
     for node in list(gm.graph.nodes):
         if _foreach(node) and not (node.target in lowerings and generated_as_eager(node)) and _copied_back(node):

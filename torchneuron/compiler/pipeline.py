@@ -25,12 +25,11 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch.fx import GraphModule
 
 from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, nki_kernels
-from torchneuron.compiler.codegen import PLAN_META_KEY
 from torchneuron.compiler.cost import eager_cost, plan_costs
 from torchneuron.compiler.fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
 from torchneuron.compiler.passes import run_passes
-from torchneuron.compiler.plan import GraphPlan
+from torchneuron.compiler.plan import PLAN_META_KEY, GraphPlan
 from torchneuron.hardware.targets import get_target
 from torchneuron.ops import policy
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+PLAN_META_KEY = "torchneuron_plan"  # where the graph pass leaves a graph's GraphPlan (GraphModule.meta)
+
 Dim = int | str
 
 

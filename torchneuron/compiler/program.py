@@ -64,7 +64,7 @@ class DeviceProgram:
         """Charges every kernel of the plan after all work issued before this call: one by one
         when a listener (the profiler, estimate()) watches the timeline, as one back-to-back block
         otherwise."""
-        from torchneuron.runtime.worklog import drain
+        from torchneuron.hardware.worklog import drain
 
         device = self.plan.device
         timeline = get_timeline(device)

@@ -10,12 +10,13 @@ timeout) into errors that name the cause and the fix.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from torchneuron import settings
 
 KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "gather", "scatter",
          "reduce_scatter", "reduce_scatter_single", "all_to_all", "barrier")
@@ -31,7 +32,7 @@ class CollectiveMismatchError(RuntimeError):
 
 
 def checks_enabled() -> bool:
-    return os.environ.get("TORCHNEURON_DIST_CHECKS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.current().dist_checks
 
 
 @dataclass

@@ -12,17 +12,17 @@ that event, so compute issued between a collective and its wait overlaps it on t
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from torchneuron import settings
 from torchneuron.hardware.model import collective_cost
 from torchneuron.hardware.timeline import recording_enabled
-from torchneuron.runtime import charge
+from torchneuron.hardware.worklog import charge
 
-_overlap = os.environ.get("TORCHNEURON_DIST_OVERLAP", "1").strip().lower() not in ("0", "false", "off", "no")
+_overlap = settings.current().dist_overlap
 
 
 def set_overlap(enabled: bool) -> None:

@@ -21,9 +21,10 @@ the function registered with `set_kernel_compiler` (the compiler package registe
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Any, Iterator
+from typing import Iterator
 
+from torchneuron import settings
+from torchneuron.ops import printing
 from torchneuron.eager.fusion import Executor, KernelCompiler
 from torchneuron.eager.queue import classify, flush_records
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
@@ -124,35 +125,23 @@ def _install_hooks() -> None:
 
 def _flush_and_drain() -> None:
     if _enabled and fast.adaptive_pending():
-        from torchneuron.runtime.worklog import drain
+        from torchneuron.hardware.worklog import drain
 
         flush()
         drain()
 
 
-_original_str: Any = None
-
-
 def _flush_before_printing(on: bool) -> None:
     """Printing a tensor flushes the queue before formatting starts (its reads would flush it
     anyway, op by op)."""
-    global _original_str
-    import torch._tensor_str as tensor_str
-
-    if on and _original_str is None:
-        _original_str = tensor_str._str
-
-        def _str(self: Any, *args: Any, **kwargs: Any) -> str:
-            flush()
-            return _original_str(self, *args, **kwargs)
-
-        tensor_str._str = _str
-    elif not on and _original_str is not None:
-        tensor_str._str, _original_str = _original_str, None
+    if on:
+        printing.add_before_print(flush)
+    else:
+        printing.remove_before_print(flush)
 
 
 def configure_from_env() -> None:
     """Applies TORCHNEURON_EAGER_MODE (eager | adaptive)."""
-    mode = os.environ.get("TORCHNEURON_EAGER_MODE", "").strip().lower()
+    mode = settings.current().eager_mode
     if mode:
         set_eager_mode(mode)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torchneuron.eager.ops import ALLOCATE, QUEUE, SYNC, VIEW, OpInfo, flat_tensors, op_info, traceable_overload
-from torchneuron.eager.recording import worklog_paused
+from torchneuron.runtime.worklog import worklog_paused
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)

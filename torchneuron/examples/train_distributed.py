@@ -170,7 +170,7 @@ def modeled_now() -> float:
     from torchneuron.hardware.timeline import get_timeline
 
     torch.neuron.synchronize()
-    from torchneuron.runtime import worklog
+    from torchneuron.hardware import worklog
 
     worklog.drain()
     return get_timeline(torch.neuron.current_device()).synchronize()

@@ -21,13 +21,13 @@ Modelling conventions, stated once:
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from torchneuron import settings
 __all__ = [
     "Target",
     "TARGETS",
@@ -387,8 +387,8 @@ def _lookup(name: str) -> Target:
 
 
 def _target_from_environment() -> Target:
-    name = os.environ.get("TORCHNEURON_TARGET") or os.environ.get(
-        "NEURON_PLATFORM_TARGET_OVERRIDE") or DEFAULT_TARGET
+    config = settings.current()
+    name = config.target or config.platform_target_override or DEFAULT_TARGET
     return _lookup(name)
 
 

@@ -19,10 +19,11 @@ Semantics:
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from torchneuron import settings
 
 from .model import Cost
 
@@ -106,8 +107,8 @@ def flush_pending() -> None:
 
 
 def recording_enabled() -> bool:
-    """False when TORCHNEURON_TIMELINE is "0" (or "false"/"off"): charge nothing."""
-    return os.environ.get("TORCHNEURON_TIMELINE", "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when TORCHNEURON_TIMELINE is off ("0", "false", ...): charge nothing."""
+    return settings.current().timeline
 
 
 class DeviceTimeline:

@@ -10,7 +10,7 @@ Existing kernels that `import neuronxcc.nki` (or `import nki`) can be pointed he
 """
 from __future__ import annotations
 
-import os as _os
+from torchneuron import settings as _settings
 
 from . import compiler, isa, language, typing  # noqa: F401
 from .alias import install_import_alias, uninstall_import_alias  # noqa: F401
@@ -34,5 +34,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-if _os.environ.get("TORCHNEURON_NKI_ALIAS", "") not in ("", "0"):
+if _settings.current().nki_alias:
     install_import_alias()

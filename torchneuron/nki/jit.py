@@ -21,9 +21,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .. import settings
 from ..hardware.targets import TARGETS, Target, get_target
 from . import dtypes as _dt
 from .errors import DTypeError, KernelError, NKIError, traceback_location
+from .on_device import call_on_device, has_neuron_tensors
 from .scheduler import Scheduler
 from .simulator import Run, set_current, active
 from .tile import Buffer, Tile
@@ -59,8 +61,8 @@ def _target(platform_target: str | None) -> Target:
     """jit(platform_target=...) > $NEURON_PLATFORM_TARGET_OVERRIDE, read per call as NKI does
     (unless $TORCHNEURON_TARGET is set, which the process target already honours) > the
     process target (`torchneuron.set_target` / $TORCHNEURON_TARGET)."""
-    name = platform_target or (None if os.environ.get("TORCHNEURON_TARGET")
-                               else os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE"))
+    config = settings.current()
+    name = platform_target or (None if config.target else config.platform_target_override)
     if name:
         name = str(name).lower().replace("gen2", "trn1").replace("gen3", "trn2").replace("gen4", "trn3")
         if name not in TARGETS:
@@ -91,9 +93,8 @@ class Kernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if active() is not None:  # a kernel calling a kernel: plain function call
             return self.fn(*args, **kwargs)
-        from . import bridge
-        if bridge.has_neuron_tensors(args, kwargs):
-            return bridge.call_on_device(self, args, kwargs)
+        if has_neuron_tensors(args, kwargs):
+            return call_on_device(self, args, kwargs)
         out, stats = self.run(args, kwargs)
         return out
 

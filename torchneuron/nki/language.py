@@ -9,6 +9,7 @@ that return new tiles. Each call is one (sometimes two) hardware instructions ex
 from __future__ import annotations
 
 import builtins
+import sys as _sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from . import engines as _E
 from .dtypes import bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, tfloat32  # noqa: F401
 from .errors import NKIError, ShapeError
 from .simulator import current
+from . import tile as _tile
 from .tile import ArangeRoot, GridIndex, IndexExpr, MGrid, Predicate, Tile, ds, par_dim  # noqa: F401
 
 # ----------------------------------------------------------------------------- dtypes
@@ -599,3 +601,6 @@ def device_print(prefix: str, x: Any, **kwargs) -> None:
 
 def num_partitions() -> int:
     return current().target.partitions
+
+
+_tile.set_operators(_sys.modules[__name__])  # tiles' operators are this module's functions

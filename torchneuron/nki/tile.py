@@ -325,8 +325,7 @@ class Tile:
         dst = self._index(key)
         if value is dst:
             return
-        from . import language  # circular at import time only
-        language._assign(dst, value)
+        _ops()._assign(dst, value)
 
     def _index(self, key) -> "Tile":
         if not isinstance(key, tuple):
@@ -645,9 +644,20 @@ def _unit_index(k) -> bool:
     return isinstance(k, int) and k == 0
 
 
-def _ops():
-    from . import language
-    return language
+_operators: Any = None  # nki.language, which defines the tiles' arithmetic (set_operators)
+
+
+def set_operators(namespace: Any) -> None:
+    """Gives tiles their operators (`a + b`, `a[i] = b`, ...): nki.language calls this once it is
+    defined, so the index algebra here needs nothing from the language above it."""
+    global _operators
+    _operators = namespace
+
+
+def _ops() -> Any:
+    if _operators is None:
+        raise RuntimeError("Tile arithmetic needs torchneuron.nki.language: import torchneuron.nki first.")
+    return _operators
 
 
 def flatten_tiles(obj: Any) -> Iterable[Tile]:

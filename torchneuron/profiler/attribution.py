@@ -16,7 +16,7 @@ import torch
 
 from torchneuron.hardware.model import classify
 from torchneuron.hardware.targets import get_target
-from torchneuron.profiler.capture import DeviceEvent
+from torchneuron.profiler.events import DeviceEvent
 from torchneuron.runtime import worklog
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def decode_record(rec: np.void) -> dict[str, Any]:
     for i in range(n_sigs):
         if int(rec["sigs"][i]["dtype"]) < 0:
             continue
-        dtype, shape = worklog._signature(rec["sigs"][i])
+        dtype, shape = worklog.signature(rec["sigs"][i])
         sigs.append((i < n_inputs, _short_dtype(dtype), shape))
     ins = [f"{d}{list(s)}" for is_in, d, s in sigs if is_in]
     outs = [f"{d}{list(s)}" for is_in, d, s in sigs if not is_in]

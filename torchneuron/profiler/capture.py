@@ -14,7 +14,7 @@ How attribution stays exact and cheap:
   the module chain. Records are still priced in batches (every BATCH records, or when anyone
   drains); the drain hook pairs each op/copy record with its context in order, and the timeline
   entries the drain enqueues arrive in the same order.
-- work charged from Python (`torchneuron.runtime.charge`: NKI kernels, fused kernels, compiled
+- work charged from Python (`torchneuron.hardware.charge`: NKI kernels, fused kernels, compiled
   graphs, collectives) is attributed from the stack at the time of the charge.
 - backward ops carry the autograd node that ran them; its sequence number is the one the
   forward op had, which links them to the forward op's module.
@@ -30,71 +30,22 @@ import sysconfig
 import threading
 import time
 from array import array
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from torchneuron import settings
 from torchneuron.hardware import timeline as device_timeline
 from torchneuron.hardware.targets import get_target
-from torchneuron.runtime import worklog
+from torchneuron.hardware import worklog
+from torchneuron.profiler.attribution import build_events
+from torchneuron.profiler.events import DeviceEvent, MemorySample
 from torchneuron.runtime.extension import ops
 
 __all__ = ["DeviceEvent", "DeviceCapture", "MemorySample", "active_capture"]
 
-MAX_EVENTS = int(os.environ.get("TORCHNEURON_PROFILER_MAX_EVENTS", "1000000"))
-
-
-@dataclass(slots=True)
-class DeviceEvent:
-    """One unit of device work as the profiler reports it (times in microseconds of modeled
-    device time, relative to the start of the device's first event in the profile)."""
-
-    id: int
-    device: int
-    stream: int
-    kind: str            # op | copy | fused | graph | nki | collective | other
-    name: str            # as charged (aten ops with their overload: "aten::sum.dim_IntList")
-    op: str              # aten op without overload ("aten::sum"), or the charged name
-    category: str        # the performance model's op category ("matmul", "elementwise", ...)
-    engine: str
-    bound: str
-    start_us: float
-    duration_us: float
-    flops: float
-    bytes: float
-    fallback: bool
-    host_fallback_us: float
-    launch_us: float     # modeled launch cost included in duration_us
-    copy_kind: str       # h2d | d2h | d2d | ""
-    dtype: str
-    shapes: str
-    source_file: str
-    source_line: int
-    source_function: str
-    module_path: str
-    module_type: str
-    phase: str           # forward | backward | optimizer | other
-    autograd_node: str
-    forward_source: str  # for backward work: the forward op's source line
-    host_time_us: float  # host wall time when issued, relative to the profile's start
-    thread: int
-    host_op: str = ""    # the torch.profiler op it is linked to (filled by linking)
-    host_op_id: int = -1
-    meta: dict | None = None
-
-
-@dataclass(slots=True)
-class MemorySample:
-    """Device memory right after a piece of work was issued (profile_memory=True)."""
-
-    event_id: int
-    device: int
-    host_time_us: float
-    device_time_us: float
-    allocated_bytes: int
-    reserved_bytes: int
+MAX_EVENTS = settings.current().profiler_max_events
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,8 +306,6 @@ class DeviceCapture:
         charged = sum(1 for b in self.store.batch if b < 0)  # contexts taken for charged entries
         self.unmatched += len(self._pending) + max(0, len(self.store.t_ns) - self._assigned - charged)
         self._pending.clear()
-        from torchneuron.profiler.attribution import build_events
-
         store = self.store
         for device, start in zip(store.device, store.start):
             if start < self.origins.get(device, float("inf")):

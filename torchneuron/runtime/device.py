@@ -1,11 +1,11 @@
-"""Device selection and properties of the `neuron` device (torch.neuron.* functions).
+"""Device selection of the `neuron` device (torch.neuron.* functions); hardware/properties.py
+gives the properties.
 
 Logical devices are NeuronCores of the chosen target (`TORCHNEURON_TARGET`); their number comes
 from `TORCHNEURON_DEVICE_COUNT` (default 2), read once when the runtime library loads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,54 +87,6 @@ class device_of(device):
 def synchronize(device: Any = None) -> None:
     """Waits for all work on the device (joins the device timeline's streams)."""
     torch.accelerator.synchronize(torch.device("neuron", device_index(device)))
-
-
-@dataclass(frozen=True)
-class NeuronDeviceProperties:
-    """What torch.neuron.get_device_properties() reports (modelled on CUDA's property object)."""
-
-    name: str
-    target: str
-    core_type: str
-    total_memory: int
-    cores_per_chip: int
-    multi_processor_count: int  # engines per NeuronCore; Inductor reads this field
-    peak_bf16_flops: float
-    hbm_bandwidth: float
-
-    def __repr__(self) -> str:
-        return (
-            f"NeuronDeviceProperties(name='{self.name}', target='{self.target}', core_type='{self.core_type}', "
-            f"total_memory={self.total_memory // 2**20}MB, peak_bf16={self.peak_bf16_flops / 1e12:.1f}TFLOPS)"
-        )
-
-
-def get_device_properties(device: Any = None) -> NeuronDeviceProperties:
-    from torchneuron.hardware import get_target
-    from torchneuron.runtime import memory
-
-    index = device_index(device)
-    target = get_target()
-    return NeuronDeviceProperties(
-        name=f"Software NeuronCore ({target.core_type}, {target.name})",
-        target=target.name,
-        core_type=target.core_type,
-        total_memory=memory.capacity(index),
-        cores_per_chip=target.cores_per_chip,
-        multi_processor_count=5,
-        peak_bf16_flops=target.peak_flops(torch.bfloat16),
-        hbm_bandwidth=target.hbm_bytes_per_s,
-    )
-
-
-def get_device_name(device: Any = None) -> str:
-    return get_device_properties(device).name
-
-
-def get_device_capability(device: Any = None) -> tuple[int, int]:
-    """(generation, 0): NeuronCore-v2 -> (2, 0), v3 -> (3, 0), v4 -> (4, 0)."""
-    core = get_device_properties(device).core_type
-    return int(core.rsplit("v", 1)[-1]), 0
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:

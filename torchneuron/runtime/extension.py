@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from torchneuron import settings
+
 _LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C.so")
 _loaded = False
 
@@ -27,7 +29,17 @@ def load_runtime_library() -> None:
             "installed first)."
         )
     torch.ops.load_library(_LIBRARY)
+    _configure(settings.current())
     _loaded = True
+
+
+def _configure(config: settings.Settings) -> None:
+    """Hands the C++ runtime the settings it reads (it reads no environment itself)."""
+    from torchneuron.runtime import _C
+
+    _C.configure(device_count=config.device_count, plan_cache=not config.adaptive_no_plan_cache)
+    ops().set_strict(config.strict)
+    ops().set_worklog_enabled(config.timeline)
 
 
 def ops():

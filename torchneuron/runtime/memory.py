@@ -7,34 +7,20 @@ overridden with TORCHNEURON_MEMORY_CAPACITY (bytes, or a size such as "8GiB").
 """
 from __future__ import annotations
 
-import os
-import re
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from torchneuron import settings
 from torchneuron.runtime.device import device_count, device_index
 from torchneuron.runtime.extension import ops
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
-
-def parse_size(text: str) -> int:
-    """'8GiB' -> 8589934592; '512MB' -> 512000000; '1024' -> 1024."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"Cannot read the size {text!r}: use bytes or a number with a unit like 8GiB, 512MB.")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def configure_capacity() -> None:
-    """Sets every device's capacity from TORCHNEURON_MEMORY_CAPACITY or the target's HBM per core."""
-    from torchneuron.hardware import get_target
-
-    override = os.environ.get("TORCHNEURON_MEMORY_CAPACITY")
-    nbytes = parse_size(override) if override else int(get_target().hbm_bytes)
+def configure_capacity(default_nbytes: int) -> None:
+    """Sets every device's capacity from TORCHNEURON_MEMORY_CAPACITY, else to `default_nbytes`."""
+    override = settings.current().memory_capacity
+    nbytes = override if override is not None else int(default_nbytes)
     for index in range(device_count()):
         ops().set_memory_capacity(index, nbytes)
 

@@ -1,24 +1,18 @@
-"""Turns the C++ work log into device time: drains records, prices them, advances the timeline.
+"""The work log's records, as the runtime writes them: layout, kinds, flags and on/off switch.
 
-The hot path only appends fixed-size records (see csrc/neuron.h, WorkRecord). This module reads
-them as a numpy structured array, prices each distinct op signature once with the performance
-model (cached), and replays records in order on each device's DeviceTimeline: ops and copies
-advance their stream's clock, event records note it, waits and synchronisations join clocks.
-`Event.elapsed_time` and every reader of the timeline call `drain()` first.
+The hot path (csrc/worklog.cpp) appends one fixed-size record per op, copy, event or
+synchronisation; `take()` hands the pending ones over as a numpy structured array. Turning them
+into device time (pricing with the performance model, replaying on the timeline) is the
+hardware's job: torchneuron/hardware/worklog.py.
 """
 from __future__ import annotations
 
-import dataclasses
-import struct
-from typing import Any, Callable
+import contextlib
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from torchneuron.hardware import model as perf_model
-from torchneuron.hardware.targets import on_target_change
-from torchneuron.hardware import timeline as device_timeline
-from torchneuron.hardware.timeline import add_pending_source
 from torchneuron.runtime.extension import ops
 
 OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = range(7)
@@ -40,18 +34,17 @@ _SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.uint16, torch.uint32, torch.uint64]
 
 _op_names: list[str] = []
-_price_cache: dict[bytes, Any] = {}
-_event_times: dict[int, tuple[int, float]] = {}
-_drain_hooks: list[Callable[[np.ndarray], None]] = []
 
 
 def op_name(op_id: int) -> str:
+    """The operator name of a record's op_id ("" for records without an op)."""
     if op_id >= len(_op_names):
         _op_names.extend(ops().op_names(len(_op_names)))
     return _op_names[op_id] if op_id >= 0 else ""
 
 
-def _signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
+def signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of one tensor signature of a record."""
     ndim = int(sig["ndim"])
     sizes = sig["sizes"]
     if ndim <= 4:
@@ -61,224 +54,12 @@ def _signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
     return _SCALAR_TYPES[int(sig["dtype"])], shape
 
 
-def _price(record: np.void) -> Any:
-    """The modeled cost of one op/copy record; eager ops also pay the kernel launch."""
-    n_sigs, n_inputs = int(record["n_sigs"]), int(record["n_inputs"])
-    sigs = [_signature(record["sigs"][i]) for i in range(n_sigs)]
-    name = op_name(int(record["op_id"]))
-    flags = int(record["flags"])
-    if int(record["kind"]) == COPY:
-        kind = "d2d" if flags & DEVICE_TO_DEVICE else ("h2d" if flags & HOST_TO_DEVICE else "d2h")
-        return perf_model.copy_cost(_nbytes(sigs[0]), kind)
-    if name == "aten::_local_scalar_dense":  # .item(): a device-to-host read of one element
-        return perf_model.copy_cost(_nbytes(sigs[0]), "d2h")
-    cost = perf_model.op_cost(name, sigs[:n_inputs], sigs[n_inputs:], fallback=bool(flags & FALLBACK),
-                              host_seconds=float(record["host_seconds"]) if flags & FALLBACK else None)
-    return dataclasses.replace(cost, duration_s=cost.duration_s + perf_model.launch_cost())
-
-
-def _nbytes(sig: tuple[torch.dtype, tuple[int, ...]]) -> int:
-    dtype, shape = sig
-    numel = 1
-    for s in shape:
-        numel *= s
-    return numel * dtype.itemsize
-
-
-# A record as 26 uint64 words; the words that identify its cost are kind|op_id, flags|n_inputs,
-# n_sigs|pad and the signatures (device|stream, aux and host_seconds don't change the price).
-_WORDS = RECORD.itemsize // 8
-_NOT_KEY_WORDS = [1, 4, 5]
-_HASH_MULTIPLIERS = np.arange(_WORDS, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0xBF58476D1CE4E5B9)
-_HASH_MULTIPLIERS[_NOT_KEY_WORDS] = 0
-
-
-def _price_unique(records: np.ndarray) -> tuple[list[Any], np.ndarray]:
-    """Costs of the distinct signatures among op/copy `records` (each priced once, cached) and,
-    per record, the index of its signature. Host fallbacks are priced per record (their host
-    time differs per call) and get their own entries."""
-    words = np.array(records).view(np.uint64).reshape(len(records), _WORDS)
-    words[:, _NOT_KEY_WORDS] = 0
-    with np.errstate(over="ignore"):
-        hashes = (words * _HASH_MULTIPLIERS).sum(axis=1, dtype=np.uint64)
-    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-    inverse = inverse.ravel()
-    if not (words == words[first[inverse]]).all():  # a hash collision: fall back to exact keys
-        keys = words.view(np.dtype((np.void, words.shape[1] * 8))).ravel()
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        inverse = inverse.ravel()
-    priced = []
-    for index in first:
-        key_bytes = words[index].tobytes()
-        cost = _price_cache.get(key_bytes)
-        if cost is None:
-            cost = _price(records[index])
-            if not int(records[index]["flags"]) & FALLBACK:
-                _price_cache[key_bytes] = cost
-        priced.append(cost)
-    for i in np.flatnonzero(records["flags"] & FALLBACK):
-        inverse[i] = len(priced)
-        priced.append(_price(records[i]))
-    return priced, inverse
-
-
-def drain() -> None:
-    """Prices every pending record and advances the device timelines."""
+def take() -> np.ndarray:
+    """The pending records (oldest first), removed from the log."""
     raw = ops().worklog_drain()
     if raw.numel() == 0:
-        return
-    records = np.frombuffer(raw.numpy(), dtype=RECORD)
-    for hook in _drain_hooks:
-        hook(records)
-    if len(records) <= _SMALL_BATCH:
-        _drain_small(records, device_timeline)
-        return
-    is_work = records["kind"] <= COPY
-    work_index = np.flatnonzero(is_work)
-    priced, inverse = _price_unique(records if len(work_index) == len(records) else records[work_index])
-    if device_timeline.has_listeners():
-        _replay_all(records, work_index, priced, inverse, device_timeline)
-        return
-    # No listener: charge each run of work between control records per stream, in bulk.
-    durations = np.zeros(len(records))
-    durations[work_index] = np.array([c.duration_s for c in priced])[inverse]
-    engines = sorted({c.engine for c in priced})
-    engine_of = np.full(len(records), -1)
-    engine_of[work_index] = np.array([engines.index(c.engine) for c in priced])[inverse]
-    lanes = records["device"].astype(np.int64) * 1_000_003 + records["stream"]
-    control = np.flatnonzero(~is_work).tolist()
-    begin = 0
-    for stop in control + [len(records)]:
-        if stop > begin:
-            _charge_run(records[begin:stop], lanes[begin:stop], durations[begin:stop], engine_of[begin:stop],
-                        engines, device_timeline)
-        if stop < len(records):
-            _replay(records[stop], None, device_timeline)
-        begin = stop + 1
-
-
-# Below this many records, numpy's per-call overhead outweighs vectorising: price and apply each
-# record in plain Python (the common case when a collective or compiled graph charges its work).
-_SMALL_BATCH = 32
-
-
-_HEAD = struct.Struct("<8iqd")  # kind, op_id, device, stream, flags, n_inputs, n_sigs, pad, aux, host_seconds
-
-
-def _key_spans() -> list[tuple[int, int, bytes | None]]:
-    """A record's bytes as runs of key words (None: copy them) and of words outside the key
-    (their zero bytes), from _NOT_KEY_WORDS, so both drain paths build the same price key."""
-    spans: list[tuple[int, int, bytes | None]] = []
-    for word in range(_WORDS):
-        start, keep = word * 8, word not in _NOT_KEY_WORDS
-        if spans and (spans[-1][2] is None) == keep:
-            begin, _, _ = spans.pop()
-            start = begin
-        end = (word + 1) * 8
-        spans.append((start, end, None if keep else bytes(end - start)))
-    return spans
-
-
-_KEY_SPANS = _key_spans()
-
-
-def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
-    data = records.tobytes()
-    size = RECORD.itemsize
-    for i in range(len(records)):
-        at = i * size
-        kind, op_id, device, stream, flags, _, _, _, aux, _ = _HEAD.unpack_from(data, at)
-        cost = None
-        if kind <= COPY:
-            if flags & FALLBACK:
-                cost = _price(records[i])
-            else:  # the same key as _price_unique's: the record's words with _NOT_KEY_WORDS zeroed
-                key = b"".join(data[at + a:at + b] if zeros is None else zeros for a, b, zeros in _KEY_SPANS)
-                cost = _price_cache.get(key)
-                if cost is None:
-                    cost = _price_cache[key] = _price(records[i])
-        _apply(kind, device, stream, op_id, flags, aux, cost, device_timeline)
-
-
-def _charge_run(records: np.ndarray, lanes: np.ndarray, durations: np.ndarray, engine_of: np.ndarray,
-                engines: list[str], device_timeline: Any) -> None:
-    for lane in np.unique(lanes).tolist():
-        mask = lanes == lane
-        first = int(np.argmax(mask))
-        busy = np.bincount(engine_of[mask], weights=durations[mask], minlength=len(engines))
-        device_timeline.get_timeline(int(records["device"][first])).advance(
-            int(records["stream"][first]), float(durations[mask].sum()),
-            {engines[e]: float(b) for e, b in enumerate(busy) if b}, int(mask.sum()))
-
-
-def _replay_all(records: np.ndarray, work_index: np.ndarray, priced: list[Any], inverse: np.ndarray,
-                device_timeline: Any) -> None:
-    """Applies every record to its timeline one by one, in order (listeners see each entry)."""
-    cost_index = np.full(len(records), -1)
-    cost_index[work_index] = inverse
-    columns = zip(records["kind"].tolist(), records["device"].tolist(), records["stream"].tolist(),
-                  records["op_id"].tolist(), records["flags"].tolist(), records["aux"].tolist(), cost_index.tolist())
-    for kind, device, stream, op_id, flags, aux, j in columns:
-        _apply(kind, device, stream, op_id, flags, aux, priced[j] if j >= 0 else None, device_timeline)
-
-
-def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:
-    """Applies one control record to its device timeline."""
-    _apply(int(record["kind"]), int(record["device"]), int(record["stream"]), int(record["op_id"]),
-           int(record["flags"]), int(record["aux"]), cost, device_timeline)
-
-
-_META = {(kind, fallback): {"fallback": fallback, "kind": kind} for kind in ("op", "copy") for fallback in (False, True)}
-
-
-def _apply(kind: int, device: int, stream: int, op_id: int, flags: int, aux: int, cost: Any,
-           device_timeline: Any) -> None:
-    timeline = device_timeline.get_timeline(device)
-    if kind <= COPY:
-        meta = _META["copy" if kind == COPY else "op", bool(flags & FALLBACK)]
-        timeline.enqueue(stream, cost, op_name(op_id), dict(meta))
-    elif kind == EVENT_RECORD:
-        _event_times[aux] = (device, timeline.record_event(stream))
-    elif kind == EVENT_WAIT:
-        event = _event_times.get(aux)
-        if event is not None:
-            timeline.wait_until(stream, event[1])
-    elif kind == SYNC_DEVICE:
-        timeline.synchronize()
-    elif kind == SYNC_STREAM:
-        _host_waited(timeline.now(stream))
-    elif kind == SYNC_EVENT:
-        event = _event_times.get(aux)
-        if event is not None:
-            _host_waited(event[1], device_timeline.get_timeline(event[0]))
-
-
-def _host_waited(t: float, timeline: Any = None) -> None:
-    """The host waited until device time t: nothing it issues afterwards starts earlier."""
-    timelines = [timeline] if timeline is not None else device_timeline.all_timelines()
-    for tl in timelines:
-        for stream in tl.stream_ids():
-            tl.wait_until(stream, t)
-
-
-def charge(name: str, cost: Any, device: int | None = None, stream: int | None = None,
-           meta: dict | None = None) -> tuple[float, float]:
-    """Charges work done outside the aten fallback (an NKI kernel, a fused kernel, a collective) to
-    the device timeline, in order after everything already logged. Returns its (start, end) in
-    modeled seconds. `device`/`stream` default to the current device and its current stream."""
-    drain()
-    index = int(ops().current_device()) if device is None else int(device)
-    stream_id = int(ops().current_stream_id(index)) if stream is None else int(stream)
-    return device_timeline.get_timeline(index).enqueue(stream_id, cost, name, meta)
-
-
-def event_elapsed_ms(start: int, end: int) -> float:
-    drain()
-    a, b = _event_times.get(start), _event_times.get(end)
-    if a is None or b is None:
-        raise RuntimeError("Both events must be recorded (with the device timeline enabled) before calculating "
-                           "elapsed time; TORCHNEURON_TIMELINE=0 turns timing off.")
-    return (b[1] - a[1]) * 1e3
+        return np.empty(0, dtype=RECORD)
+    return np.frombuffer(raw.numpy(), dtype=RECORD)
 
 
 def set_enabled(on: bool) -> None:
@@ -290,43 +71,22 @@ def is_enabled() -> bool:
     return bool(ops().worklog_enabled())
 
 
-def add_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
-    """`fn(records)` sees every drained batch of raw records first (used by the profiler)."""
-    _drain_hooks.append(fn)
+@contextlib.contextmanager
+def worklog_paused() -> Iterator[None]:
+    """Eager ops issued inside are not recorded as device work: for ops that belong to work charged
+    another way (a fused kernel's host code, moving a result into a buffer handed out earlier,
+    compilation)."""
+    runtime = ops()
+    was_enabled = bool(runtime.worklog_enabled())
+    if was_enabled:
+        runtime.set_worklog_enabled(False)
+    try:
+        yield
+    finally:
+        if was_enabled:
+            runtime.set_worklog_enabled(True)
 
 
-def remove_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
-    if fn in _drain_hooks:
-        _drain_hooks.remove(fn)
-
-
-_full_handler: Callable[[], None] | None = None
-
-
-def set_full_handler(fn: Callable[[], None] | None) -> None:
-    """While set, the hot path's "log is full" callback calls `fn()` instead of drain(); None restores
-    draining. The profiler uses it with a drain threshold of 1 to see, in Python, the caller of each
-    record as it is appended, and drains in batches itself."""
-    global _full_handler
-    _full_handler = fn
-
-
-def _on_full() -> None:
-    handler = _full_handler
-    if handler is None:
-        drain()
-    else:
-        handler()
-
-
-_registrations: list[torch.library.Library] = []
-
-
-def install() -> None:
+def check_layout() -> None:
+    """Fails when the C++ record differs from RECORD."""
     assert ops().worklog_record_size() == RECORD.itemsize, "WorkRecord layout differs between C++ and Python"
-    lib = torch.library.Library("torchneuron", "IMPL")
-    lib.impl("_worklog_full", _on_full, "CompositeExplicitAutograd")
-    lib.impl("_event_elapsed_ms", event_elapsed_ms, "CompositeExplicitAutograd")
-    _registrations.append(lib)
-    on_target_change(lambda target: (drain(), _price_cache.clear()))
-    add_pending_source(drain)

@@ -28,19 +28,18 @@ using c10::StreamId;
 constexpr int kMaxDevices = 64;
 constexpr StreamId kStreamPoolSize = 32;  // like CUDA's pool of 32 streams per device
 
-static DeviceIndex read_device_count() {
-  const char* v = std::getenv("TORCHNEURON_DEVICE_COUNT");
-  long n = v && *v ? std::strtol(v, nullptr, 10) : 2;
-  if (n < 1) n = 1;
-  if (n > kMaxDevices) n = kMaxDevices;
-  return static_cast<DeviceIndex>(n);
-}
-static const DeviceIndex g_device_count = read_device_count();
+// Set once by configure_device_count when the library loads (Python's settings.device_count).
+static DeviceIndex g_device_count = 2;
 thread_local DeviceIndex tl_device = 0;
 thread_local std::array<StreamId, kMaxDevices> tl_stream{};  // all default streams
 static std::array<std::atomic<StreamId>, kMaxDevices> g_next_pool_stream{};
 
 DeviceIndex device_count() { return g_device_count; }
+
+void configure_device_count(int64_t n) {
+  TORCH_CHECK(n >= 1 && n <= kMaxDevices, "TORCHNEURON_DEVICE_COUNT must be from 1 to ", kMaxDevices, ", got ", n);
+  g_device_count = static_cast<DeviceIndex>(n);
+}
 DeviceIndex current_device() { return tl_device; }
 
 void check_device_index(DeviceIndex index) {

@@ -53,10 +53,7 @@ struct OpEntry {
 static std::mutex g_ops_mutex;
 static std::unordered_map<const void*, OpEntry*> g_op_index;
 static std::vector<OpEntry*> g_ops;
-static std::atomic<bool> g_strict{[] {
-  const char* v = std::getenv("TORCHNEURON_STRICT");
-  return v && v[0] == '1';
-}()};
+static std::atomic<bool> g_strict{false};  // set from settings.strict at load (python.cpp's configure)
 
 static bool schema_returns_view(const c10::FunctionSchema& schema) {
   for (const auto& r : schema.returns()) {

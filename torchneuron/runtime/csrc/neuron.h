@@ -24,6 +24,8 @@ constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
 
 // ---- devices and streams (device.cpp) ----
 c10::DeviceIndex device_count();
+// The number of devices, before any is used (python.cpp's configure, at load).
+void configure_device_count(int64_t n);
 c10::DeviceIndex current_device();
 void check_device_index(c10::DeviceIndex index);
 // Stream id of the calling thread's current stream on `index` (0 = the default stream).

@@ -127,10 +127,23 @@ py::tuple signature(py::tuple args, py::dict kwargs, py::handle marker) {
 
 namespace torchneuron {
 void bind_adaptive_queue(py::module_& m);  // queue.cpp
+void set_adaptive_plan_cache(bool on);     // queue.cpp
+bool adaptive_plan_cache();                // queue.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchneuron's C++ runtime: fast entry points for generated code";
+  m.def("configure", [](int64_t device_count, bool plan_cache) {
+    torchneuron::configure_device_count(device_count);
+    torchneuron::set_adaptive_plan_cache(plan_cache);
+  }, "Settings the C++ runtime reads (torchneuron/settings.py), given once when the library loads",
+        py::arg("device_count"), py::arg("plan_cache"));
+  m.def("configuration", [] {
+    py::dict d;
+    d["device_count"] = static_cast<int64_t>(torchneuron::device_count());
+    d["plan_cache"] = torchneuron::adaptive_plan_cache();
+    return d;
+  }, "What configure set (for tests and `torchneuron info`)");
   m.def("empty_strided", &torchneuron::empty_strided, "An uninitialised tensor on a neuron device",
         py::arg("size"), py::arg("stride"), py::arg("dtype"), py::arg("device") = -1);
   m.def("current_stream_id", [](int64_t device) {

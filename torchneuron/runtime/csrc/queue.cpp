@@ -209,6 +209,7 @@ PyObject* g_classify = nullptr;
 PyObject* g_flush = nullptr;
 std::unordered_map<Words, OutputPlan, WordsHash>& g_output_plans = *new std::unordered_map<Words, OutputPlan, WordsHash>();
 std::atomic<bool> g_enabled{false};
+std::atomic<bool> g_plan_cache{true};
 std::thread::id g_owner;
 thread_local bool tl_running = false;
 // Never destroyed: they may hold device tensors, which must not be freed after the allocator at exit.
@@ -502,6 +503,9 @@ void learn(const c10::OperatorHandle& op, Kind kind, const Words& key, const std
 
 namespace torchneuron {
 using namespace adaptive;
+
+void set_adaptive_plan_cache(bool on) { g_plan_cache = on; }
+bool adaptive_plan_cache() { return g_plan_cache.load(); }
 
 
 // ---------------------------------------------------------------------------------------------

@@ -139,6 +139,8 @@ struct FlushPlan {
 };
 
 extern std::atomic<bool> g_enabled;
+// false: every flush goes to Python, no plan is cached (settings.adaptive_no_plan_cache, set at load)
+extern std::atomic<bool> g_plan_cache;
 extern std::thread::id g_owner;                 // the thread the mode is on for
 extern thread_local bool tl_running;            // inside a flush or a suspended region: ops run unqueued
 extern Queue& g_queue;

@@ -262,8 +262,7 @@ void run_in_python(Words&& key, const std::vector<double>& floats, std::vector<E
   PyObject* result = PyObject_CallFunctionObjArgs(g_flush, records.ptr(), nullptr);
   if (!result) rethrow_python_error();
   py::tuple answer = py::reinterpret_steal<py::tuple>(result);
-  static const bool no_plans = std::getenv("TORCHNEURON_ADAPTIVE_NO_PLAN_CACHE") != nullptr;
-  if (no_plans || !answer[1].cast<bool>()) return;  // provisional: Python will decide differently next time
+  if (!g_plan_cache || !answer[1].cast<bool>()) return;  // provisional: Python will decide differently next time
   FlushPlan plan;
   auto tensors_of = [](const Shadow& s) { return s.tensors; };
   auto outs_of = [](const Shadow& s) { return s.outs; };

@@ -17,10 +17,7 @@
 
 namespace torchneuron {
 
-static std::atomic<bool> g_enabled{[] {
-  const char* v = std::getenv("TORCHNEURON_TIMELINE");
-  return !(v && v[0] == '0');
-}()};
+static std::atomic<bool> g_enabled{true};  // set from settings.timeline at load (python.cpp's configure)
 static std::mutex g_log_mutex;
 static std::vector<WorkRecord> g_log;
 static int64_t g_pending_control = 0;  // event, wait and synchronisation records in g_log

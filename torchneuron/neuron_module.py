@@ -1,10 +1,16 @@
-"""The `torch.neuron` module: everything torch.cuda users reach for, for the neuron device."""
+"""The `torch.neuron` module: everything torch.cuda users reach for, for the neuron device.
+
+Assembled from the runtime (devices, memory, streams, generators), the hardware (the properties
+of the modeled target) and the ops (the CPU-fallback counters and strict mode).
+"""
 from __future__ import annotations
 
+from torchneuron.hardware.properties import (
+    NeuronDeviceProperties, get_device_capability, get_device_name, get_device_properties,
+)
 from torchneuron.ops.policy import fallback_counts, is_strict, reset_fallback_counts, set_strict
 from torchneuron.runtime.device import (
-    NeuronDeviceProperties, _is_in_bad_fork, current_device, device, device_count, device_of,
-    get_amp_supported_dtype, get_device_capability, get_device_name, get_device_properties, is_available,
+    _is_in_bad_fork, current_device, device, device_count, device_of, get_amp_supported_dtype, is_available,
     is_initialized, set_device, synchronize,
 )
 from torchneuron.runtime.memory import (
