@@ -45,7 +45,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from torchneuron.compiler.lowerings import register_eager_kernel_lowering
-from torchneuron.hardware.model import base_name, classify
+from torchneuron.hardware.taxonomy import base_name, classify
 
 # Ops whose generated code rounds as ATen's kernel (their base names, without the in-place "_"),
 # besides the model's "view" category. A name missing here only costs speed: the op is called.

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 from torchneuron.compiler.flex_attention import NKI_META_KEY
 from torchneuron.compiler.partition import DEVICE, HOST, Partition, is_transparent, node_tensors, op_name
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.taxonomy import classify
 from torchneuron.hardware.targets import Target, get_target
 
 MAX_OPS = 64

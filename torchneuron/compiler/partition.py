@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves
 
 from torchneuron.compiler.errors import NeuronCompileError
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.taxonomy import classify
 from torchneuron.hardware.targets import Target, get_target
 from torchneuron.ops import policy
 

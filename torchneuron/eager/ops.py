@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.taxonomy import classify
 from torchneuron.ops import policy
 
 VIEW, QUEUE, SYNC, ALLOCATE = "view", "queue", "sync", "allocate"

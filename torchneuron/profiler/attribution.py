@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import torch
 
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.taxonomy import classify
 from torchneuron.hardware.targets import get_target
 from torchneuron.profiler.events import DeviceEvent
 from torchneuron.runtime import worklog
