@@ -29,10 +29,11 @@ from torchneuron.runtime.worklog import worklog_paused
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)
-# record kinds and classify() codes, as queue.cpp numbers them
-FUNCTIONAL, INPLACE, VIEW_RECORD, WRITES_OUT = 1, 2, 4, 5
-RANDOM_BIT = 8
-_KIND_CODES = {SYNC: 0, ALLOCATE: 3, VIEW: 4}
+# record kinds and classify() codes, defined once in C++ (csrc/queue.h: Kind, kRandomBit)
+_CODES = fast.QUEUE_KINDS
+FUNCTIONAL, INPLACE, VIEW_RECORD, WRITES_OUT = (_CODES[k] for k in ("FUNCTIONAL", "INPLACE", "VIEW", "OUT"))
+RANDOM_BIT = _CODES["RANDOM_BIT"]
+_KIND_CODES = {SYNC: _CODES["SYNC"], ALLOCATE: _CODES["ALLOCATE"], VIEW: _CODES["VIEW"]}
 
 
 class Entry:

@@ -13,12 +13,14 @@ import warnings
 
 import torch
 
+from torchneuron.runtime import _C
 from torchneuron.runtime.extension import ops
 
-HOST_ONLY = 1          # no NeuronCore implementation: runs on the host CPU
-IMPLICIT_RNG = 2       # the CPU kernel draws from the default generator without an argument
-MIXED_DEVICES = 4      # accepts CPU tensors beside neuron ones (as CUDA does for these ops)
-DATA_MOVEMENT = 8      # moves bytes only: any dtype is native (no FP64 arithmetic involved)
+# The policy bits, defined once in C++ (csrc/neuron.h: OpPolicy):
+HOST_ONLY = _C.OP_POLICY["HOST_ONLY"]          # no NeuronCore implementation: runs on the host CPU
+IMPLICIT_RNG = _C.OP_POLICY["IMPLICIT_RNG"]    # the CPU kernel draws from the default generator without an argument
+MIXED_DEVICES = _C.OP_POLICY["MIXED_DEVICES"]  # accepts CPU tensors beside neuron ones (as CUDA does for these ops)
+DATA_MOVEMENT = _C.OP_POLICY["DATA_MOVEMENT"]  # moves bytes only: any dtype is native (no FP64 arithmetic involved)
 
 # Ops with no NeuronCore implementation in the real stack: dense linear-algebra factorisations,
 # FFTs, data-dependent output shapes and host-side sampling/statistics.

@@ -13,18 +13,16 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from torchneuron.runtime import _C
 from torchneuron.runtime.extension import ops
 
-OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = range(7)
-FALLBACK, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = 1, 2, 4, 8
-MAX_SIGS = 4
-
-_SIG = np.dtype([("dtype", "i1"), ("ndim", "i1"), ("pad", "V6"), ("sizes", "<i8", (4,))])
-RECORD = np.dtype([
-    ("kind", "<i4"), ("op_id", "<i4"), ("device", "<i4"), ("stream", "<i4"), ("flags", "<i4"),
-    ("n_inputs", "<i4"), ("n_sigs", "<i4"), ("pad", "<i4"), ("aux", "<i8"), ("host_seconds", "<f8"),
-    ("sigs", _SIG, (MAX_SIGS,)),
-])
+# Defined once, in C++ (csrc/neuron.h: WorkKind, WorkFlags, WorkRecord), exported through _C.
+OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = (
+    _C.WORK_KINDS[k] for k in ("OP", "COPY", "EVENT_RECORD", "EVENT_WAIT", "SYNC_DEVICE", "SYNC_STREAM", "SYNC_EVENT"))
+FALLBACK, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = (
+    _C.WORK_FLAGS[k] for k in ("FALLBACK", "HOST_TO_DEVICE", "DEVICE_TO_HOST", "DEVICE_TO_DEVICE"))
+MAX_SIGS = _C.MAX_SIGS
+RECORD = np.dtype(_C.WORK_RECORD_DTYPE)
 
 # c10::ScalarType codes (c10/core/ScalarType.h) -> torch dtypes
 _SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
@@ -88,5 +86,5 @@ def worklog_paused() -> Iterator[None]:
 
 
 def check_layout() -> None:
-    """Fails when the C++ record differs from RECORD."""
+    """Fails when the library's record differs from RECORD (a stale _C.so: rebuild it)."""
     assert ops().worklog_record_size() == RECORD.itemsize, "WorkRecord layout differs between C++ and Python"

@@ -32,12 +32,6 @@ namespace torchneuron {
 // ---------------------------------------------------------------------------------------------
 // The op table: per operator, what the fallback needs to know (computed once)
 // ---------------------------------------------------------------------------------------------
-enum OpPolicy : int32_t {
-  kPolicyHost = 1,         // the NeuronCore has no implementation: the op runs on the host CPU
-  kPolicyImplicitRng = 2,  // the CPU kernel draws from the CPU default generator internally
-  kPolicyMixedDevices = 4, // CPU tensor arguments are legitimate (index tensors, copies)
-  kPolicyDataMovement = 8, // moves bytes only: no dtype makes it a host op
-};
 struct OpEntry {
   int32_t id = 0;
   bool classified = false;

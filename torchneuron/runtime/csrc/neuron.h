@@ -58,6 +58,14 @@ enum WorkFlags : int32_t {
   kDeviceToHost = 4,
   kDeviceToDevice = 8,
 };
+// ---- the fallback policy of an operator (fallback.cpp; Python's ops/policy.py classifies) ----
+enum OpPolicy : int32_t {
+  kPolicyHost = 1,         // the NeuronCore has no implementation: the op runs on the host CPU
+  kPolicyImplicitRng = 2,  // the CPU kernel draws from the CPU default generator internally
+  kPolicyMixedDevices = 4, // CPU tensor arguments are legitimate (index tensors, copies)
+  kPolicyDataMovement = 8, // moves bytes only: no dtype makes it a host op
+};
+
 constexpr int kMaxSigs = 4;
 constexpr int kSigDims = 4;
 struct TensorSig {

@@ -131,6 +131,80 @@ void set_adaptive_plan_cache(bool on);     // queue.cpp
 bool adaptive_plan_cache();                // queue.cpp
 }
 
+namespace {
+using torchneuron::TensorSig;
+using torchneuron::WorkRecord;
+
+// numpy's description of a struct: np.dtype({"names", "formats", "offsets", "itemsize"})
+py::dict struct_dtype(py::list names, py::list formats, py::list offsets, size_t itemsize) {
+  py::dict d;
+  d["names"] = names;
+  d["formats"] = formats;
+  d["offsets"] = offsets;
+  d["itemsize"] = itemsize;
+  return d;
+}
+
+// The work record as Python reads it (runtime/worklog.py builds its numpy dtype from this).
+py::dict work_record_dtype() {
+  py::list sig_names, sig_formats, sig_offsets, names, formats, offsets;
+  auto sig_field = [&](const char* name, py::object format, size_t offset) {
+    sig_names.append(name); sig_formats.append(format); sig_offsets.append(offset);
+  };
+  auto field = [&](const char* name, py::object format, size_t offset) {
+    names.append(name); formats.append(format); offsets.append(offset);
+  };
+  sig_field("dtype", py::str("i1"), offsetof(TensorSig, dtype));
+  sig_field("ndim", py::str("i1"), offsetof(TensorSig, ndim));
+  sig_field("pad", py::str("V" + std::to_string(sizeof(TensorSig::pad))), offsetof(TensorSig, pad));
+  sig_field("sizes", py::make_tuple("<i8", py::make_tuple(torchneuron::kSigDims)), offsetof(TensorSig, sizes));
+  py::dict sig = struct_dtype(sig_names, sig_formats, sig_offsets, sizeof(TensorSig));
+  field("kind", py::str("<i4"), offsetof(WorkRecord, kind));
+  field("op_id", py::str("<i4"), offsetof(WorkRecord, op_id));
+  field("device", py::str("<i4"), offsetof(WorkRecord, device));
+  field("stream", py::str("<i4"), offsetof(WorkRecord, stream));
+  field("flags", py::str("<i4"), offsetof(WorkRecord, flags));
+  field("n_inputs", py::str("<i4"), offsetof(WorkRecord, n_inputs));
+  field("n_sigs", py::str("<i4"), offsetof(WorkRecord, n_sigs));
+  field("pad", py::str("<i4"), offsetof(WorkRecord, pad));
+  field("aux", py::str("<i8"), offsetof(WorkRecord, aux));
+  field("host_seconds", py::str("<f8"), offsetof(WorkRecord, host_seconds));
+  field("sigs", py::make_tuple(sig, py::make_tuple(torchneuron::kMaxSigs)), offsetof(WorkRecord, sigs));
+  return struct_dtype(names, formats, offsets, sizeof(WorkRecord));
+}
+
+py::dict work_kinds() {
+  using torchneuron::WorkKind;
+  py::dict d;
+  d["OP"] = static_cast<int>(WorkKind::kOp);
+  d["COPY"] = static_cast<int>(WorkKind::kCopy);
+  d["EVENT_RECORD"] = static_cast<int>(WorkKind::kEventRecord);
+  d["EVENT_WAIT"] = static_cast<int>(WorkKind::kEventWait);
+  d["SYNC_DEVICE"] = static_cast<int>(WorkKind::kSyncDevice);
+  d["SYNC_STREAM"] = static_cast<int>(WorkKind::kSyncStream);
+  d["SYNC_EVENT"] = static_cast<int>(WorkKind::kSyncEvent);
+  return d;
+}
+
+py::dict work_flags() {
+  py::dict d;
+  d["FALLBACK"] = static_cast<int>(torchneuron::kFallback);
+  d["HOST_TO_DEVICE"] = static_cast<int>(torchneuron::kHostToDevice);
+  d["DEVICE_TO_HOST"] = static_cast<int>(torchneuron::kDeviceToHost);
+  d["DEVICE_TO_DEVICE"] = static_cast<int>(torchneuron::kDeviceToDevice);
+  return d;
+}
+
+py::dict op_policy_bits() {
+  py::dict d;
+  d["HOST_ONLY"] = static_cast<int>(torchneuron::kPolicyHost);
+  d["IMPLICIT_RNG"] = static_cast<int>(torchneuron::kPolicyImplicitRng);
+  d["MIXED_DEVICES"] = static_cast<int>(torchneuron::kPolicyMixedDevices);
+  d["DATA_MOVEMENT"] = static_cast<int>(torchneuron::kPolicyDataMovement);
+  return d;
+}
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torchneuron's C++ runtime: fast entry points for generated code";
   m.def("configure", [](int64_t device_count, bool plan_cache) {
@@ -158,5 +232,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("signature", &torchneuron::signature,
         "(signature, tensors, floats, placement) of an op call's arguments; placement: 0 no neuron tensor, "
         "1 some, 2 all (and all plain Tensors or Parameters)");
+  // Layouts and enums defined once, in C++: Python builds its dtypes and constants from these.
+  m.attr("WORK_RECORD_DTYPE") = work_record_dtype();
+  m.attr("WORK_KINDS") = work_kinds();
+  m.attr("WORK_FLAGS") = work_flags();
+  m.attr("MAX_SIGS") = torchneuron::kMaxSigs;
+  m.attr("OP_POLICY") = op_policy_bits();
   torchneuron::bind_adaptive_queue(m);
 }

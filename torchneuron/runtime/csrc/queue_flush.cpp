@@ -341,6 +341,15 @@ void adaptive_flush(const char* cause) {
 }
 
 void bind_adaptive_queue(py::module_& m) {
+  py::dict kinds;  // what classify() answers (eager/queue.py builds its constants from these)
+  kinds["SYNC"] = static_cast<int>(kSync);
+  kinds["FUNCTIONAL"] = static_cast<int>(kFunctional);
+  kinds["INPLACE"] = static_cast<int>(kInplace);
+  kinds["ALLOCATE"] = static_cast<int>(kAllocate);
+  kinds["VIEW"] = static_cast<int>(kView);
+  kinds["OUT"] = static_cast<int>(kOut);
+  kinds["RANDOM_BIT"] = kRandomBit;
+  m.attr("QUEUE_KINDS") = kinds;
   m.def("adaptive_set_callbacks", [](py::object classify, py::object flush) {
     Py_XDECREF(g_classify);
     Py_XDECREF(g_flush);
