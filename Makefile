@@ -3,7 +3,9 @@
 # C++ runtime built against that torch, without build isolation).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CSRC := $(wildcard torchneuron/runtime/csrc/*.cpp torchneuron/runtime/csrc/*.h)
+# the C++ sources of the one library torchneuron/runtime/_C.so (setup.py's CSRC_DIRS)
+CSRC_DIRS := torchneuron/runtime/csrc torchneuron/ops/csrc torchneuron/eager/csrc
+CSRC := $(wildcard $(addsuffix /*.cpp,$(CSRC_DIRS)) $(addsuffix /*.h,$(CSRC_DIRS)))
 PYTEST_ARGS ?=
 # test modules spread over this many processes (pytest-xdist); slow ones start first (tests/conftest.py)
 TEST_WORKERS ?= 2

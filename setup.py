@@ -1,18 +1,24 @@
-"""Builds the C++ runtime of the software NeuronCore (torchneuron/runtime/_C).
+"""Builds the C++ runtime of the software NeuronCore (torchneuron/runtime/_C): one library from
+the csrc/ folders beside the Python that owns them (runtime: device primitives; ops: op execution;
+eager: the adaptive queue).
 
 Build with torch already installed and without build isolation, so pip never pulls a second
 torch into a build environment:  pip install --no-build-isolation -e .
 """
 import glob
+import os
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+CSRC_DIRS = ["torchneuron/runtime/csrc", "torchneuron/ops/csrc", "torchneuron/eager/csrc"]
 
 setup(
     ext_modules=[
         CppExtension(
             "torchneuron.runtime._C",
-            sorted(glob.glob("torchneuron/runtime/csrc/*.cpp")),
+            sorted(path for folder in CSRC_DIRS for path in glob.glob(os.path.join(folder, "*.cpp"))),
+            include_dirs=[os.path.abspath(folder) for folder in CSRC_DIRS],
             extra_compile_args=["-O2", "-Wno-unused-parameter"],
         )
     ],
