@@ -13,7 +13,8 @@ backend unchanged; `simple_fsdp` adds SimpleFSDP-style sharding that torch.compi
 
 Modules: process_group (the c10d interface), collectives (host data movement), host (host buffers,
 reduce ops), checks (cross-rank agreement, clear errors), work (Work objects, device timeline),
-dispatch (c10d C++ ops routed to Python), launch (local ranks, `spawn`, `RankPool`), parallel (helpers).
+dispatch (c10d C++ ops routed to Python), dtensor_ops (DTensor's foreach/fused optimizer ops over
+lists mixing DTensors and plain tensors), launch (local ranks, `spawn`, `RankPool`), parallel (helpers).
 Environment: TORCHNEURON_DIST_CHECKS=0 skips the per-collective cross-rank check (one small all-gather);
 TORCHNEURON_DIST_OVERLAP=0 charges collectives on the issuing stream (no modeled overlap).
 """
@@ -23,6 +24,7 @@ import datetime
 
 import torch.distributed as dist
 
+from torchneuron.distributed import dtensor_ops
 from torchneuron.distributed.checks import CollectiveMismatchError
 from torchneuron.distributed.launch import RankFailed, RankPool, free_port, local_device, select_local_device, spawn
 from torchneuron.distributed.process_group import NeuronProcessGroup
@@ -45,6 +47,7 @@ def register() -> None:
     if _registered or not dist.is_available():
         return
     dist.Backend.register_backend("neuron", _create_process_group, devices=["neuron", "cpu"])
+    dtensor_ops.install_when_loaded()
     _registered = True
 
 
