@@ -18,9 +18,9 @@ def _rank_step(config: ModelSource, spec: ParallelSpec, seq: int, dtype_name: st
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from torchneuron.hardware.timeline import get_timeline
-    from torchneuron.planner.build import load_config, parallelize
-    from torchneuron.planner.step import DecoderLoss
+    from torchneuron.hardware.timeline import flush_pending, get_timeline
+    from torchneuron.planner.build import Zero1, load_config, parallelize
+    from torchneuron.planner.step import DecoderLoss, run_micro_batch
     from torchneuron.planner.world import mesh as make_mesh
 
     dist.init_process_group("neuron")
@@ -31,21 +31,28 @@ def _rank_step(config: ModelSource, spec: ParallelSpec, seq: int, dtype_name: st
     model = model.to(device=device, dtype=torch.float32 if spec.fsdp > 1 else dtype)
     device_mesh = make_mesh({"pp": spec.pp, "dp": spec.dp, "fsdp": spec.fsdp, "tp": spec.tp})
     root = parallelize(model, device_mesh, spec, dtype, root=DecoderLoss(model, spec.tp > 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    if spec.fsdp > 1:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    else:
+        optimizer = Zero1(list(model.parameters()), device_mesh["dp"].get_group() if spec.dp > 1 else None)
     ids = torch.randint(0, model.config.vocab_size, (1, seq), device=device)
 
     def step() -> None:
-        root(ids).backward()
+        run_micro_batch(root, ids)
         optimizer.step()
         optimizer.zero_grad()
 
-    step()  # warm-up, as the planner does
     timeline = get_timeline(device.index)
-    torch.neuron.synchronize()
-    start = timeline.synchronize()
+
+    def now() -> float:  # every issued piece of work charged, all streams joined
+        torch.neuron.synchronize()
+        flush_pending()
+        return timeline.synchronize()
+
+    step()  # warm-up, as the planner does
+    start = now()
     step()
-    torch.neuron.synchronize()
-    return timeline.synchronize() - start
+    return now() - start
 
 
 def measure(config: ModelSource, mesh: dict[str, int], seq: int, ranks: int, dtype: str = "bfloat16") -> float:

@@ -25,6 +25,7 @@ overlaps compute exactly as far as the data dependencies allow.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -39,7 +40,7 @@ from torchneuron.compiler.partition import partition
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.eager.fusion import MIN_OPS
 from torchneuron.eager.ops import FUSIBLE_CATEGORIES
-from torchneuron.hardware import Cost, DeviceTimeline, Target, launch_cost, op_cost
+from torchneuron.hardware import Cost, DeviceTimeline, Target, copy_cost, launch_cost, op_cost
 from torchneuron.hardware.model import classify
 from torchneuron.ops import policy
 
@@ -161,6 +162,9 @@ def _fp8_inputs(name: str, inputs: tuple) -> tuple:
 def _eager_item(event: OpEvent, target: Target, fp8: bool = False) -> Item:
     if event.view:
         return Item(event.name, Cost(0.0, "dma", 0.0, 0.0, "latency"), "compute", event.reads)
+    if event.name == "aten::copy_" and event.inputs:  # a device copy: a DMA, as the work log charges it
+        dtype, shape = event.inputs[0]
+        return Item(event.name, copy_cost(math.prod(shape) * dtype.itemsize, "d2d", target), "compute", event.reads)
     fallback = not policy.runs_natively(event.name)
     inputs = _fp8_inputs(event.name, event.inputs) if fp8 else event.inputs
     cost = op_cost(event.name, inputs, event.outputs, target, fallback=fallback)

@@ -87,7 +87,8 @@ def _loss_context(vocab_parallel: bool):
     return loss_parallel()
 
 
-def _micro_batch(root: nn.Module, setup: StepSetup, inputs: Any) -> None:
+def run_micro_batch(root: nn.Module, inputs: Any) -> None:
+    """Forward and backward of one micro-batch (the loss of a model_fn's output: its mean)."""
     if isinstance(root, DecoderLoss):
         loss = root(inputs)
     else:
@@ -139,14 +140,14 @@ def trace_step(setup: StepSetup) -> StepTrace:
             group = device_mesh["dp"].get_group() if spec.dp > 1 else None
             optimizer = Zero1(params, group)
         inputs = _inputs(model, setup, device)
-        _micro_batch(root, setup, inputs)      # warm-up: lazy init, optimizer states, caches
+        run_micro_batch(root, inputs)      # warm-up: lazy init, optimizer states, caches
         optimizer.step()
         optimizer.zero_grad()
         names = _group_names(device_mesh)
         micro, opt = Tracer(names), Tracer(names)
         with micro:
             micro.phase = "forward/backward"
-            _micro_batch(root, setup, inputs)
+            run_micro_batch(root, inputs)
         micro.finish()
         with opt:
             opt.phase = "optimizer"

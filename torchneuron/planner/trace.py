@@ -86,6 +86,35 @@ class Memory:
     peak_by_phase: dict[str, int] = field(default_factory=dict)
 
 
+_DECOMPOSED: dict[Any, Any] = {}
+
+
+def _decomposed_on_device(func: Any) -> Any:
+    """The dispatch key whose kernel the neuron device runs for `func` when that kernel is made of
+    other ops (so the device works, and charges, op by op): a composite kernel the device has no
+    kernel of its own to replace, or a Python kernel registered for PrivateUse1 (FSDP's copy-in
+    ops). None when the device runs `func` itself."""
+    if func in _DECOMPOSED:
+        return _DECOMPOSED[func]
+    if func.namespace in ("prim", "c10d", "_c10d_functional", "torchneuron", "profiler"):
+        _DECOMPOSED[func] = None
+        return None
+    name = func.name()
+    has = lambda key: torch._C._dispatch_has_kernel_for_dispatch_key(name, key)  # noqa: E731
+    keys = torch._C.DispatchKey
+    found = None
+    if has("CompositeImplicitAutograd") and not has("PrivateUse1"):
+        found = keys.CompositeImplicitAutograd   # reached here only through a subclass (DTensor)
+    elif func.namespace != "aten" and has("PrivateUse1"):
+        found = keys.PrivateUse1
+    elif not has("PrivateUse1") and not torch._C._dispatch_has_kernel_for_any_dispatch_key(
+            name, torch._C.DispatchKeySet(keys.PrivateUse1)) and func.namespace == "aten":
+        if has("CompositeExplicitAutograd"):
+            found = keys.CompositeExplicitAutograd
+    _DECOMPOSED[func] = found
+    return found
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage()._cdata
@@ -123,6 +152,7 @@ class Tracer(TorchDispatchMode):
     def __init__(self, group_names: dict[tuple[int, ...], str] | None = None) -> None:
         super().__init__()
         self.group_names = group_names or {}
+        self._decomposing: set = set()
         self.events: list[OpEvent | CollectiveEvent] = []
         self.phase = "forward"
         self.recording = True
@@ -175,6 +205,14 @@ class Tracer(TorchDispatchMode):
         flat = pytree.tree_leaves((args, kwargs))
         if any(isinstance(a, DTensor) for a in flat):
             return NotImplemented  # DTensor runs the op as local ops, which come back here
+        key = _decomposed_on_device(func)
+        if key is not None and self.recording and func not in self._decomposing:
+            self._decomposing.add(func)
+            try:
+                with self:  # the kernel's own ops come back here, as the device's work log sees them
+                    return func._op_dk(key, *args, **kwargs)
+            finally:
+                self._decomposing.discard(func)
         out = func(*args, **kwargs)
         if not self.recording:
             return out
