@@ -143,7 +143,7 @@ class Topology:
         """(Cost, algorithm description) of one collective of the group `ranks`."""
         kind = _ALIASES.get(kind, kind)
         ranks = tuple(sorted(ranks))
-        key = (kind, int(nbytes), ranks if len(ranks) <= 2 else (len(ranks), ranks[0], ranks[1] - ranks[0]))
+        key = (kind, int(nbytes), ranks)
         found = self._cache.get(key)
         if found is None:
             found = self._cache[key] = self._price(kind, max(0, int(nbytes)), ranks)
