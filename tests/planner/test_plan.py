@@ -1,0 +1,60 @@
+"""plan(): the report of a real (tiny and full-size) configuration, modes, errors, and the CLI."""
+import json
+
+import pytest
+
+from torchneuron.cli import main
+from torchneuron.planner import plan
+
+from tests.planner.conftest import TINY
+
+
+def test_report_shows_every_section(tiny_config):
+    report = plan(tiny_config, {"tp": 2, "fsdp": 2}, target="trn2", nodes=1, ranks=4, batch=4, seq=64,
+                  checkpointing=True)
+    text = str(report)
+    for needle in ("step time", "tokens/s", "MFU", "memory per NeuronCore", "exposed communication",
+                   "bottlenecks:", "assumptions:", "EFA 3200 Gbps", "tp=2 (+sequence parallel) fsdp=2"):
+        assert needle in text, needle
+    assert report.step_s > 0 and report.tokens_per_s == pytest.approx(4 * 64 / report.step_s)
+    assert report.totals.comm_s > 0 and 0 < report.hfu < 1
+    assert report.memory.fits
+
+
+def test_modes_differ_as_their_kernels_do(tiny_config):
+    kwargs = dict(target="trn2", nodes=1, ranks=2, batch=2, seq=64)
+    eager = plan(tiny_config, {"fsdp": 2}, mode="eager", **kwargs)
+    compiled = plan(tiny_config, {"fsdp": 2}, mode="compiled", **kwargs)
+    assert compiled.totals.kernels < eager.totals.kernels
+    assert compiled.step_s < eager.step_s
+    assert compiled.totals.flops == pytest.approx(eager.totals.flops, rel=0.05)
+
+
+def test_bad_layouts_name_the_cause(tiny_config):
+    with pytest.raises(ValueError, match="does not divide the 64 ranks"):
+        plan(tiny_config, {"tp": 3}, nodes=1, batch=64, seq=64)
+    with pytest.raises(ValueError, match="global batch"):
+        plan(tiny_config, {"tp": 4}, nodes=1, batch=3, seq=64)
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        plan("no-such-config.json", {}, nodes=1, ranks=1, batch=1, seq=8)
+
+
+def test_a_model_too_big_for_its_cores_says_what_would_fit(tmp_path):
+    big = dict(TINY, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256)
+    path = tmp_path / "llama-8b.json"
+    path.write_text(json.dumps(big))
+    report = plan(str(path), {"fsdp": 2}, target="trn2", nodes=1, ranks=2, batch=2, seq=32)
+    assert report.layers == 32 and report.total_params > 8e9
+    assert not report.memory.fits
+    verdict = report.memory.verdict()
+    assert "does not fit" in verdict and "largest item is optimizer state" in verdict and "--fsdp" in verdict
+
+
+def test_cli_plan(tiny_config, capsys):
+    code = main(["plan", "--model", tiny_config, "--target", "trn2", "--nodes", "1", "--ranks", "2", "--fsdp", "2",
+                 "--seq", "32", "--global-batch", "2", "--compile"])
+    out = capsys.readouterr().out
+    assert code == 0 and "step time" in out and "mode compiled" in out
+    assert main(["plan", "--model", tiny_config, "--nodes", "1", "--tp", "3", "--global-batch", "2"]) == 2
+    assert "does not divide" in capsys.readouterr().out

@@ -1,0 +1,69 @@
+"""A simulated world: one process standing for every rank of a cluster.
+
+`simulated_world(world_size)` makes this process rank 0 of a `world_size`-rank job whose
+process groups are PyTorch's `FakeProcessGroup` (as torch.testing's fake_pg does, with its
+`FakeStore`) under the c10d backend name `planner`, registered for the neuron device: DeviceMesh,
+FSDP2, tensor parallelism and functional collectives all work, every collective completes at
+once and leaves correctly shaped results (on fake tensors nothing else is observable). What a
+collective *costs* is the planner's business (topology.py), seen by the trace (trace.py).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+BACKEND = "planner"
+_registered = False
+
+
+class _FakeStore(dist.Store):
+    """A store nobody else reads: FakeProcessGroup never exchanges anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._data: dict[str, bytes] = {}
+
+    def set(self, key: str, value) -> None:
+        self._data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key: str) -> bytes:
+        return self._data.get(key, b"")
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout) -> dist.ProcessGroup:
+    return FakeProcessGroup._create_internal(rank, size)
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend(BACKEND, _create, devices=["neuron", "cpu"])
+        _registered = True
+
+
+@contextmanager
+def simulated_world(world_size: int) -> Iterator[None]:
+    """Rank 0 of `world_size` fake ranks for the duration of the block."""
+    if dist.is_initialized():
+        raise RuntimeError("planning needs its own simulated world, but a process group is already initialised "
+                           "in this process: plan from a process without one (e.g. before init_process_group)")
+    _register()
+    dist.init_process_group(BACKEND, store=_FakeStore(), rank=0, world_size=world_size)
+    previous = torch.neuron.current_device()
+    torch.neuron.set_device(0)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.neuron.set_device(previous)
+
+
+def mesh(shape: dict[str, int]) -> DeviceMesh:
+    """A neuron DeviceMesh of the named dimensions (outermost first) over the whole world."""
+    names = tuple(shape)
+    return init_device_mesh("neuron", tuple(shape[n] for n in names), mesh_dim_names=names)
