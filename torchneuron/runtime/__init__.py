@@ -40,11 +40,13 @@ def register() -> None:
     torch._register_device_module("neuron", neuron_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    from torchneuron.ops import policy, printing
+    from torchneuron.ops import histogram, policy, printing, scaled_mm
     from torchneuron.runtime import memory, worklog
 
     policy.install()
     printing.install()
+    histogram.install()
+    scaled_mm.install()
     worklog.install()
     memory.configure_capacity()
     if os.environ.get("TORCHNEURON_AUTOGRAD_THREADS", "0") != "1":
