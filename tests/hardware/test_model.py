@@ -1,5 +1,6 @@
 """The op-level model: roofline, tiling, dtypes, fallbacks, copies, collectives."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -67,9 +68,21 @@ def test_trn3_is_faster_than_trn2_on_fp8():
     assert trn2.duration_s / trn3.duration_s == pytest.approx(315 / 158, rel=0.1)
 
 
-def test_trn1_without_e5m2_prices_a_host_fallback():
-    cost = mm(256, 256, 256, torch.float8_e5m2, TRN1)
-    assert cost.fallback and cost.engine == "host"
+def test_trn1_models_fp8_as_cfp8_at_the_bf16_rate_and_warns_once(monkeypatch):
+    from torchneuron.hardware import model
+
+    monkeypatch.setattr(model, "_fp8_warned", set())
+    model.clear_cache()
+    with pytest.warns(UserWarning, match="cFP8"):
+        e5m2 = mm(4096, 4096, 4096, torch.float8_e5m2, TRN1)
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        e4m3 = mm(4096, 4096, 4096, torch.float8_e4m3fn, TRN1)
+    assert not later  # once per target
+    bf16 = mm(4096, 4096, 4096, torch.bfloat16, TRN1)
+    assert not e5m2.fallback and e5m2.engine == "tensor"
+    assert e5m2.duration_s == pytest.approx(e4m3.duration_s, rel=0.05)
+    assert e4m3.duration_s == pytest.approx(bf16.duration_s, rel=0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])

@@ -29,6 +29,7 @@ element for softmax/norms) and are 0 for pure data movement and host fallbacks.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -165,8 +166,11 @@ def _elements(*groups: Sequence[TensorSig]) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def _matmul_dtype(target: Target, dtype: torch.dtype) -> torch.dtype:
-    """The rate a matmul runs at: its own dtype's, or FP32's for types the Tensor engine has
-    no rate for (integers; assumption: computed through the FP32 path)."""
+    """The rate a matmul runs at: its own dtype's, FP8 as the target runs FP8 (`_fp8_rate_dtype`),
+    or FP32's for types the Tensor engine has no rate for (integers; assumption: computed through
+    the FP32 path)."""
+    if dtype in _FP8_TYPES:
+        return _fp8_rate_dtype(target, dtype)
     try:
         target.peak_flops(dtype)
         return dtype
@@ -253,6 +257,124 @@ def _matmul_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequ
     out_bytes = _total_bytes(outs) if outs else m * n * batch * a_dtype.itemsize
     return _gemm(target, a_dtype, batch=batch, m=m, n=n, k=k, a_bytes=_nbytes(operands[0]),
                  b_bytes=_nbytes(operands[1]), other_bytes=out_bytes + bias_bytes)
+
+
+# ---- FP8 and grouped (mixture-of-experts) matmuls -----------------------------------------------
+
+_FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_SCALE_TYPES = (torch.float8_e8m0fnu,)   # MX block scales: one exponent byte per 32 elements
+_fp8_warned: set[str] = set()
+
+
+def _fp8_rate_dtype(target: Target, dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose Tensor-engine rate an FP8 matmul gets. A target with no FP8 rate above
+    BF16 (trn1: cFP8, hardware.md) runs FP8 as cFP8: e4m3's rate, which is BF16's; that is
+    warned about once per target, since an FP8 recipe then buys no speed there."""
+    key = "fp8_e5m2" if dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz) else "fp8_e4m3"
+    own = getattr(target, f"{key}_flops")
+    if own > target.bf16_flops:
+        return torch.float8_e5m2 if key == "fp8_e5m2" else torch.float8_e4m3fn
+    if target.name not in _fp8_warned:
+        _fp8_warned.add(target.name)
+        warnings.warn(f"{target.name} has no FP8 rate above BF16 ({target.fp8_note}): FP8 matmuls are modeled as "
+                      f"cFP8 at {target.fp8_e4m3_flops / 1e12:.0f} TFLOPS a core, the BF16 rate", UserWarning,
+                      stacklevel=3)
+    return torch.float8_e4m3fn if target.fp8_e4m3_flops > 0 else torch.bfloat16
+
+
+def _k_block(target: Target, ins: Sequence[TensorSig], m: int, k: int) -> int | None:
+    """The K extent one scale covers in a block-scaled matmul (32 for MX's e8m0 scales, 128 for
+    float32 block scales), or None for tensor-wise/row-wise scales (applied once, in the
+    PSUM evacuation)."""
+    scales = ins[2:4]
+    if any(dtype in _SCALE_TYPES for dtype, _ in scales):
+        return 32
+    if scales and _numel(scales[0][1]) > max(m, 1) and k > 128:
+        return 128
+    return None
+
+
+def _block_scale_s(target: Target, k_block: int | None, dtype: torch.dtype, *, batch: int, m: int, n: int,
+                   k: int) -> float:
+    """Extra PSUM-evacuation time of block scales the Tensor engine cannot apply itself: each
+    K block's partial product leaves PSUM and is scaled into an SBUF accumulator (a multiply-add
+    over the output per block, shared by Vector and Scalar, which both read PSUM; assumption).
+    MXFP8 on a target whose FP8 is MX (trn3) scales in the array: no extra work."""
+    if k_block is None or ("MX" in target.fp8_note and k_block == 32):
+        return 0.0
+    blocks = math.ceil(k / k_block)
+    lane_elements = batch * math.ceil(m / target.partitions) * n * blocks
+    instructions = batch * blocks * math.ceil(m / target.partitions) * math.ceil(n / target.psum_fmax)
+    both_hz = target.clock_hz("vector") + target.clock_hz("scalar")
+    return (lane_elements + instructions * target.instruction_fixed_cycles) / both_hz
+
+
+def _scaled_matmul_work(target: Target, name: str, ins: Sequence[TensorSig],
+                        outs: Sequence[TensorSig]) -> _Work | None:
+    """`_scaled_mm`, `_scaled_mm_v2`: a [M, K] @ b [K, N] at the FP8 rate plus its scaling."""
+    if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 2:
+        return None
+    (dtype, (m, k)), (_, (_, n)) = ins[0], ins[1]
+    work = _gemm(target, dtype, batch=1, m=m, n=n, k=k, a_bytes=_nbytes(ins[0]), b_bytes=_nbytes(ins[1]),
+                 other_bytes=_total_bytes(ins[2:]) + _total_bytes(outs))
+    extra = _block_scale_s(target, _k_block(target, ins, m, k), dtype, batch=1, m=m, n=n, k=k)
+    work.engine_s["vector"] += extra
+    work.engine_s["scalar"] += extra
+    return work
+
+
+def _grouped_matmul_work(target: Target, name: str, ins: Sequence[TensorSig],
+                         outs: Sequence[TensorSig]) -> _Work | None:
+    """`_grouped_mm`, `_scaled_grouped_mm`: one kernel of G per-group GEMMs on the Tensor engine.
+
+    Layouts (PyTorch's): 2d x 3d ([M, K] rows split by offs, [G, K, N]), 3d x 3d, 3d x 2d
+    (columns split), 2d x 2d (K split: weight gradients, out [G, M, N]). The signature carries
+    no group sizes, so groups are assumed balanced (M / G rows each, ceil-tiled per group);
+    every expert's weights are read once."""
+    if len(ins) < 2 or not outs:
+        return None
+    (dtype, a), (_, b) = ins[0], ins[1]
+    out = outs[0][1]
+    if len(a) == 2 and len(b) == 3:
+        groups, m, k, n = b[0], math.ceil(a[0] / max(b[0], 1)), a[1], b[2]
+    elif len(a) == 3 and len(b) == 3:
+        groups, m, k, n = a[0], a[1], a[2], b[2]
+    elif len(a) == 3 and len(b) == 2:
+        groups, m, k, n = a[0], a[1], a[2], math.ceil(b[1] / max(a[0], 1))
+    elif len(a) == 2 and len(b) == 2 and len(out) == 3:
+        groups, m, k, n = out[0], a[0], math.ceil(a[1] / max(out[0], 1)), b[1]
+    else:
+        return None
+    work = _gemm(target, dtype, batch=groups, m=m, n=n, k=k, a_bytes=_nbytes(ins[0]), b_bytes=_nbytes(ins[1]),
+                 other_bytes=_total_bytes(ins[2:]) + _total_bytes(outs))
+    if name != "_grouped_mm":
+        mx = any(d in _SCALE_TYPES for d, _ in ins[2:4])
+        extra = _block_scale_s(target, 32 if mx else None, dtype, batch=groups, m=m, n=n, k=k)
+        work.engine_s["vector"] += extra
+        work.engine_s["scalar"] += extra
+    return work
+
+
+def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """`histc`, `bincount` over E elements into B bins. Few bins (B <= psum_fmax, e.g. a router's
+    experts): each element's bin index on Vector, compared against all B bins and summed down
+    the partitions (B passes over E / 128 lanes). Many bins: a scatter-add of ones (GpSimd,
+    one indirect descriptor per element)."""
+    elements = _elements(ins[:1])
+    bins = _numel(outs[0][1]) if outs else 1
+    if bins > target.psum_fmax:
+        return _scatter_work(target, ins, outs)
+    vector_s = _engine_passes(target, "vector", elements, 1 + bins)
+    return _Work({"vector": vector_s}, _total_bytes(ins) + _total_bytes(outs), float(elements * bins))
+
+
+# Ops priced by the functions above, by base name (before the category taxonomy is consulted).
+_SPECIAL_WORK: dict[str, Callable[..., _Work | None]] = {
+    "_scaled_mm": _scaled_matmul_work, "_scaled_mm_v2": _scaled_matmul_work,
+    "_grouped_mm": _grouped_matmul_work, "_scaled_grouped_mm": _grouped_matmul_work,
+    "_scaled_grouped_mm_v2": _grouped_matmul_work,
+    "histc": _histogram_work, "bincount": _histogram_work,
+}
 
 
 def _conv_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work | None:
@@ -451,6 +573,9 @@ def _device_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequen
     category = classify(op)
     name = base_name(op)
     work: _Work | None = None
+    special = _SPECIAL_WORK.get(name)
+    if special is not None and (work := special(target, name, ins, outs)) is not None:
+        return _finish(target, work)
     if category == "view":
         return Cost(0.0, "dma", 0.0, 0.0, "latency")
     if category == "scalar_read":
@@ -616,7 +741,8 @@ _CACHE_LIMIT = 1 << 16
 
 
 def _runs_on_host(target: Target, sigs: Sequence[TensorSig]) -> bool:
-    return any(not target.supports(dtype) for dtype, _ in sigs)
+    """FP8 data a target lacks is still device data: modeled as cFP8 (`_fp8_rate_dtype`)."""
+    return any(not target.supports(dtype) and dtype not in _FP8_TYPES + _SCALE_TYPES for dtype, _ in sigs)
 
 
 def op_cost(op: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig],

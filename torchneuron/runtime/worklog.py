@@ -29,7 +29,10 @@ _SCALAR_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                  torch.float64, torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.qint8,
                  torch.quint8, torch.qint32, torch.bfloat16, torch.quint4x2, torch.quint2x4, torch.bits1x8,
                  torch.bits2x4, torch.bits4x2, torch.bits8, torch.bits16, torch.float8_e5m2, torch.float8_e4m3fn,
-                 torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.uint16, torch.uint32, torch.uint64]
+                 torch.float8_e5m2fnuz, torch.float8_e4m3fnuz, torch.uint16, torch.uint32, torch.uint64,
+                 *(getattr(torch, f"uint{bits}") for bits in range(1, 8)),
+                 *(getattr(torch, f"int{bits}") for bits in range(1, 8)),
+                 torch.float8_e8m0fnu, torch.float4_e2m1fn_x2]  # 44: MX block scales, 45: packed FP4
 
 _op_names: list[str] = []
 

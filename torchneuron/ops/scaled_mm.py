@@ -1,0 +1,187 @@
+"""Grouped and block-scaled matmuls on neuron: `_grouped_mm`, `_scaled_grouped_mm`, `_scaled_mm`
+and `_scaled_mm_v2` where the CPU has no kernel.
+
+What the Tensor engine computes for an FP8 matmul: FP8 operands, products accumulated in FP32,
+the scales applied to the FP32 result (per tensor, row, or K block), the output in the requested
+dtype. The kernels here compute exactly that on the host: the operands' FP8 values upcast to
+float32, block scales expanded over the elements they scale, one float32 matmul, then the cast.
+
+- `_grouped_mm`: the CPU's own (composite) kernel, run as one device op, so the performance
+  model charges one grouped matmul on the Tensor engine instead of a host loop of launches.
+- `_scaled_grouped_mm` (no CPU kernel): row-wise float32 scales for the four layouts PyTorch
+  documents (2d x 3d forward, 3d x 3d, 3d x 2d, 2d x 2d with groups along K for weight
+  gradients); `offs[i]` ends group i.
+- `_scaled_mm` / `_scaled_mm_v2` with block scales (1x128 and 128x128, and MX: 1x32 blocks of
+  float8_e8m0fnu scales in the 32_4_4 swizzled layout): tensor-wise and row-wise recipes stay
+  with the CPU kernel.
+
+Bad input gets PyTorch's own error: each kernel first runs the op's meta function (CUDA's
+rules: row-major A, column-major B, the scale shapes and dtypes).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .host_kernels import device_kernel, register
+
+_BLOCK_RECIPES = {F.ScalingType.BlockWise1x128.value: (1, 128), F.ScalingType.BlockWise128x128.value: (128, 128),
+                  F.ScalingType.BlockWise1x32.value: (1, 32)}
+
+
+def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _check_on_meta(op: torch._ops.OpOverload, *args, **kwargs) -> None:
+    """Runs `op`'s meta function, which raises PyTorch's own error for a bad signature."""
+    meta = [[_meta(x) for x in a] if isinstance(a, (list, tuple)) else _meta(a) for a in args]
+    op(*meta, **{k: _meta(v) for k, v in kwargs.items()})
+
+
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+# ---- _grouped_mm ----------------------------------------------------------------------------
+
+@device_kernel("aten::_grouped_mm")
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs, bias, out_dtype)
+
+
+# ---- _scaled_grouped_mm ---------------------------------------------------------------------
+
+def _scale_grouped_result(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                          scale_b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """The float32 grouped product `out` times its row-wise scales, per layout."""
+    if a.dim() == 3 and b.dim() == 3:
+        return out * scale_a.float()[:, :, None] * scale_b.float()[:, None, :]
+    bounds = _group_bounds(offs)
+    if a.dim() == 2 and b.dim() == 2:  # groups along K: out [G, M, N]
+        groups, m, n = out.shape
+        return out * scale_a.float().view(groups, m, 1) * scale_b.float().view(groups, 1, n)
+    scaled = torch.zeros_like(out)
+    for g, (start, end) in enumerate(bounds):
+        if a.dim() == 2:  # rows of group g use expert g's column scales
+            scaled[start:end] = out[start:end] * scale_a.float()[start:end, None] * scale_b.float()[g]
+        else:             # 3d x 2d: columns of group g use batch g's row scales
+            scaled[:, start:end] = out[:, start:end] * scale_a.float()[g][:, None] * scale_b.float()[start:end]
+    return scaled
+
+
+@device_kernel("aten::_scaled_grouped_mm")
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                      scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      use_fast_accum: bool = False) -> torch.Tensor:
+    _check_on_meta(torch.ops.aten._scaled_grouped_mm.default, a, b, scale_a, scale_b, offs, bias, scale_result,
+                   out_dtype, use_fast_accum)
+    if scale_a.dtype == torch.float8_e8m0fnu:
+        raise NotImplementedError("_scaled_grouped_mm on neuron: MXFP8 (float8_e8m0fnu) group scales are not "
+                                  "supported yet; use float32 row-wise scales")
+    out = torch._grouped_mm(a.float(), b.float(), offs, out_dtype=torch.float32)
+    return _scale_grouped_result(out, a, b, scale_a, scale_b, offs).to(out_dtype or torch.bfloat16)
+
+
+# ---- block-scaled _scaled_mm ------------------------------------------------------------------
+
+def _unswizzle_32_4_4(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[rows, cols] block scales from cuBLAS's swizzled layout: 128x4 tiles, row-major over tiles,
+    each tile stored as (row % 32, row // 32, col)."""
+    row_tiles, col_tiles = math.ceil(rows / 128), math.ceil(cols / 4)
+    tiles = scale.reshape(row_tiles, col_tiles, 32, 4, 4)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(row_tiles * 128, col_tiles * 4)[:rows, :cols]
+
+
+def _expand(blocks: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
+    """A [rows, cols] scale matrix: element (r, c) is blocks[r // block_rows, c // block_cols]."""
+    full = blocks.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+    return full[:rows, :cols]
+
+
+def _block_scaled_mm(a: torch.Tensor, b: torch.Tensor, blocks_a: torch.Tensor, blocks_b: torch.Tensor, block_a: tuple[int, int],
+                     block_b: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] with a's block scales `blocks_a` ([ceil(M/ra), ceil(K/ca)]) and b's
+    `blocks_b` ([ceil(K/rb), ceil(N/cb)]), accumulated in float32."""
+    (m, k), n = a.shape, b.shape[1]
+    a32 = a.float() * _expand(blocks_a, m, k, *block_a)
+    b32 = b.float() * _expand(blocks_b, k, n, *block_b)
+    out = a32 @ b32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or a.dtype)
+
+
+def _v1_blocks(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor):
+    """The block scales of `_scaled_mm`'s block-wise layouts (as its meta function tells them
+    apart), or None for tensor-wise and row-wise scales and unknown layouts (the CPU kernel's)."""
+    (m, k), n = a.shape, b.shape[1]
+    kb, mb, nb = math.ceil(k / 128), math.ceil(m / 128), math.ceil(n / 128)
+    if scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu:  # MX: 1x32 blocks, swizzled
+        k32 = math.ceil(k / 32)
+        return _unswizzle_32_4_4(scale_a, m, k32), (1, 32), _unswizzle_32_4_4(scale_b, n, k32).t(), (32, 1)
+    if scale_a.dim() != 2 or scale_b.dim() != 2 or scale_a.numel() == 1 or (
+            tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n)):
+        return None
+    shapes = (tuple(scale_a.shape), tuple(scale_b.shape))
+    if shapes == ((m, kb), (kb, nb)):
+        return scale_a, (1, 128), scale_b, (128, 128)
+    if shapes == ((m, kb), (kb, n)):
+        return scale_a, (1, 128), scale_b, (128, 1)
+    if shapes == ((mb, kb), (kb, n)):
+        return scale_a, (128, 128), scale_b, (128, 1)
+    return None
+
+
+def _v2_blocks(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b):
+    """The block scales of `_scaled_mm_v2`'s block recipes (meta-checked layouts)."""
+    (m, k), n = a.shape, b.shape[1]
+    kb = math.ceil(k / 128)
+    ra, rb = recipe_a[0], recipe_b[0]
+    if ra == F.ScalingType.BlockWise1x32.value:
+        k32 = math.ceil(k / 32)
+        return (_unswizzle_32_4_4(scale_a[0], m, k32), (1, 32), _unswizzle_32_4_4(scale_b[0], n, k32).t(), (32, 1))
+    sa, sb = scale_a[0], scale_b[0]
+    blocks_a = sa if ra == F.ScalingType.BlockWise1x128.value else sa[:kb].t()   # [M, Kb] or [Mb, Kb]
+    blocks_b = sb.t() if rb == F.ScalingType.BlockWise1x128.value else sb[:kb]   # [Kb, N] or [Kb, Nb]
+    return blocks_a, _BLOCK_RECIPES[ra], blocks_b, (128, 1) if rb == F.ScalingType.BlockWise1x128.value else (128, 128)
+
+
+@device_kernel("aten::_scaled_mm")
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
+    blocks = _v1_blocks(a, b, scale_a, scale_b) if a.dim() == 2 and b.dim() == 2 else None
+    if blocks is None:  # tensor-wise and row-wise: the CPU kernel (and its errors)
+        return torch._scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
+    _check_on_meta(torch.ops.aten._scaled_mm.default, a, b, scale_a, scale_b, bias, scale_result, out_dtype,
+                   use_fast_accum)
+    return _block_scaled_mm(a, b, blocks[0], blocks[2], blocks[1], blocks[3], bias, out_dtype)
+
+
+@device_kernel("aten::_scaled_mm_v2")
+def scaled_mm_v2(a: torch.Tensor, b: torch.Tensor, scale_a: list[torch.Tensor], recipe_a: list[int],
+                 swizzle_a: list[int], scale_b: list[torch.Tensor], recipe_b: list[int], swizzle_b: list[int],
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 contraction_dim: list[int] = (), use_fast_accum: bool = False) -> torch.Tensor:
+    if not (len(recipe_a) == len(recipe_b) == 1 and recipe_a[0] in _BLOCK_RECIPES and recipe_b[0] in _BLOCK_RECIPES):
+        return torch._scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype,
+                                   list(contraction_dim), use_fast_accum)
+    _check_on_meta(torch.ops.aten._scaled_mm_v2.default, a, b, list(scale_a), recipe_a, swizzle_a, list(scale_b),
+                   recipe_b, swizzle_b, bias, out_dtype, list(contraction_dim), use_fast_accum)
+    blocks_a, block_a, blocks_b, block_b = _v2_blocks(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b)
+    return _block_scaled_mm(a, b, blocks_a, blocks_b, block_a, block_b, bias, out_dtype)
+
+
+def install() -> None:
+    register("aten::_grouped_mm", grouped_mm)
+    register("aten::_scaled_grouped_mm", scaled_grouped_mm)
+    register("aten::_scaled_mm", scaled_mm)
+    register("aten::_scaled_mm_v2", scaled_mm_v2)
