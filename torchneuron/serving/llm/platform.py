@@ -121,7 +121,9 @@ class NeuronPlatform(Platform):
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
-        return True
+        # Device memory is host memory: staging buffers gain nothing from pinning (and torch's host
+        # cache then has nothing of ours to free at exit).
+        return False
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
