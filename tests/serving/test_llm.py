@@ -5,9 +5,6 @@ One engine for the module: the KV cache is kept small on purpose (12 blocks of 3
 full batch must preempt, and the token budget per step (64) makes long prompts prefill in chunks."""
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -90,15 +87,11 @@ def test_sampling_parameters(engine):
 
 def test_modeled_time_is_recorded_per_request(engine):
     llm, _, timing_dir = engine
+    from torchneuron.serving.llm.timing import TimingReader
+
     out = llm.generate(["Hello there, modeled time"], _greedy(6))[0]
-    records = {}
-    with open(os.path.join(timing_dir, "requests.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            records[record.pop("id")] = record
-    mine = [r for req_id, r in records.items() if req_id.startswith(out.request_id)]
-    assert mine, f"no timing record for request {out.request_id}"
-    record = mine[-1]
+    record = TimingReader(timing_dir).for_request(out.request_id)
+    assert record is not None, f"no timing record for request {out.request_id}"
     assert record["output_tokens"] == 6 and record["target"] == "trn2"
     assert record["ttft_s"] > 0 and record["tpot_s"] > 0
     assert record["tpot_s"] < 1e-2  # a tiny model's decode step on trn2 is microseconds, not host time

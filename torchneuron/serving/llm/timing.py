@@ -117,6 +117,16 @@ class TimingReader:
         return self.records
 
     def find(self, response_id: str) -> list[dict[str, Any]]:
-        """Records of the engine requests behind one response id (n > 1 makes several)."""
+        """Records of the engine requests behind one OpenAI response id (a random id, which vLLM's
+        engine request ids contain; n > 1 makes several)."""
         records = self.refresh()
         return [r for req_id, r in records.items() if response_id and response_id in req_id]
+
+    def for_request(self, request_id: str) -> dict[str, Any] | None:
+        """The record of an offline `LLM` request (`RequestOutput.request_id`; the engine appends
+        a random suffix after a dash)."""
+        records = self.refresh()
+        for req_id, record in records.items():
+            if req_id == request_id or req_id.rsplit("-", 1)[0] == request_id:
+                return record
+        return None
