@@ -135,6 +135,11 @@ class NeuronWorker(Worker):
         available = super().determine_available_memory()
         host = int(psutil.virtual_memory().available * HOST_SHARE)
         requested = self.cache_config.kv_cache_memory_bytes
+        if requested and requested > self.init_snapshot.free_memory:
+            raise ValueError(
+                f"--kv-cache-memory-bytes {format_gib(requested)} GiB exceeds the free memory of {self.device} "
+                f"({format_gib(self.init_snapshot.free_memory)} of {format_gib(self.init_snapshot.total_memory)} "
+                "GiB); request less, or model a larger device with TORCHNEURON_MEMORY_CAPACITY.")
         if requested and requested > host:
             raise ValueError(
                 f"--kv-cache-memory-bytes {format_gib(requested)} GiB does not fit the host memory that backs the "
