@@ -20,8 +20,9 @@ def in_process_llm(model: str, **kwargs: Any) -> Iterator[tuple[Any, str]]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["TORCHNEURON_SERVING_TIMING_DIR"] = timing_dir
     defaults = dict(max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.02, seed=0, disable_log_stats=False)
-    llm = LLM(model, **{**defaults, **kwargs})
+    llm = None
     try:
+        llm = LLM(model, **{**defaults, **kwargs})
         yield llm, timing_dir
     finally:
         del llm
