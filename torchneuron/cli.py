@@ -1,4 +1,5 @@
-"""The `torchneuron` command: `demo` (train a small model on neuron), `info` (target, devices, env).
+"""The `torchneuron` command: `demo` (train a small model on neuron), `info` (target, devices, env),
+`serve` (vLLM's OpenAI server for a local model on neuron).
 
 Other folders add subcommands through `SUBCOMMANDS` (name -> module with add_arguments/run).
 """
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 SUBCOMMANDS: dict[str, str] = {
     "explorer": "torchneuron.profiler.explorer_cli",
     "plan": "torchneuron.planner.cli",
+    "serve": "torchneuron.serving.llm.server",
 }
 
 

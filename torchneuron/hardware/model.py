@@ -46,6 +46,8 @@ __all__ = [
     "launch_cost",
     "copy_cost",
     "collective_cost",
+    "paged_attention_cost",
+    "kv_cache_write_cost",
     "classify",
     "COLLECTIVE_KINDS",
     "COPY_KINDS",
@@ -450,6 +452,66 @@ def _attention_work(target: Target, name: str, ins: Sequence[TensorSig], outs: S
     }
     flops = scores.flops + values.flops + 5.0 * score_elements
     return _Work(engine_s, hbm, flops, engine="tensor")
+
+
+def paged_attention_cost(q_lens: Sequence[int], kv_lens: Sequence[int], *, heads: int, kv_heads: int,
+                         head_size: int, dtype: torch.dtype, block_size: int, causal: bool = True,
+                         target: Target | None = None) -> Cost:
+    """One paged-attention kernel over a batch of sequences, as a serving step runs it (prefill
+    chunks and decodes together): sequence i has q_lens[i] new queries that attend to its
+    kv_lens[i] cached tokens, read from the KV cache block by block through its block table.
+
+    Per sequence and KV head, the heads // kv_heads query heads sharing it are packed into the
+    stationary rows (GQA), so QK^T is [q*group, d] x [d, s] and PV [q*group, s] x [s, d] on the
+    Tensor engine; a causal mask lets a flash kernel skip the key tiles past the diagonal
+    (assumption: the live fraction is the mean attended length over s). exp on Scalar, the
+    running max and rescale on Vector, as in flash attention. K and V are fetched by indirect
+    DMA, one descriptor per (block, KV head) row of K and of V, and read once per sequence: the
+    cost grows with the cached context, not with the batch's padded length."""
+    target = target or get_target()
+    group = max(1, heads // max(1, kv_heads))
+    itemsize = dtype.itemsize
+    engine_s = {"tensor": 0.0, "scalar": 0.0, "vector": 0.0, "dma": 0.0}
+    hbm = 0.0
+    flops = 0.0
+    for q, s in zip(q_lens, kv_lens):
+        q, s = int(q), int(s)
+        if q <= 0 or s <= 0:
+            continue
+        attended = s - (q - 1) / 2 if causal else float(s)  # mean keys each query sees
+        live = max(attended, 1.0) / s
+        rows = q * group
+        scores = _gemm(target, dtype, batch=kv_heads, m=rows, n=s, k=head_size, a_bytes=0, b_bytes=0,
+                       other_bytes=0, repeat=live)
+        values = _gemm(target, dtype, batch=kv_heads, m=rows, n=head_size, k=s, a_bytes=0, b_bytes=0,
+                       other_bytes=0, repeat=live)
+        score_elements = heads * q * attended
+        engine_s["tensor"] += scores.engine_s["tensor"] + values.engine_s["tensor"]
+        engine_s["scalar"] += _engine_passes(target, "scalar", score_elements, 1) + values.engine_s["scalar"]
+        engine_s["vector"] += _engine_passes(target, "vector", score_elements, 1) + values.engine_s["vector"]
+        kv_bytes = 2 * kv_heads * s * head_size * itemsize
+        blocks = math.ceil(s / block_size)
+        engine_s["dma"] += _indirect_dma_s(target, 2 * blocks * kv_heads, kv_bytes)
+        hbm += kv_bytes + 2 * heads * q * head_size * itemsize  # K, V read; Q read, O written
+        flops += scores.flops + values.flops + 5.0 * score_elements
+    if not hbm:
+        return Cost(0.0, "tensor", 0.0, 0.0, "latency")
+    return _finish(target, _Work(engine_s, hbm, flops, engine="tensor"))
+
+
+def kv_cache_write_cost(tokens: int, *, kv_heads: int, head_size: int, dtype: torch.dtype,
+                        target: Target | None = None) -> Cost:
+    """Writing a step's new keys and values into their KV-cache slots: an indirect DMA
+    scatter, one descriptor per (token, KV head) row of K and of V (the slot mapping decides
+    each row's block and offset), plus the slot indices read once."""
+    target = target or get_target()
+    if tokens <= 0:
+        return Cost(0.0, "dma", 0.0, 0.0, "latency")
+    nbytes = 2 * tokens * kv_heads * head_size * dtype.itemsize
+    rows = 2 * tokens * kv_heads
+    dma_s = _indirect_dma_s(target, rows, nbytes)
+    address_s = _engine_passes(target, "gpsimd", tokens, 1)
+    return _finish(target, _Work({"gpsimd": address_s, "dma": dma_s}, 2 * nbytes + 8 * tokens, 0.0, engine="dma"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include "neuron.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -220,7 +221,9 @@ at::Generator engine_of(const std::optional<at::Generator>& gen, DeviceIndex ind
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pinned host memory: ordinary host memory that is remembered as pinned.
+// Pinned host memory: ordinary host memory that is remembered as pinned. It is also the device's
+// host allocator (torch.accelerator.empty_host_cache and host-memory stats reach it): nothing is
+// cached, and copies complete on the host before they return, so no block waits on a stream.
 // ---------------------------------------------------------------------------------------------
 static std::mutex g_pinned_mutex;
 static std::unordered_set<void*> g_pinned;
@@ -231,7 +234,7 @@ static void pinned_free(void* p) {
   }
   c10::free_cpu(p);
 }
-struct PinnedAllocator final : c10::Allocator {
+struct PinnedAllocator final : at::HostAllocator {
   c10::DataPtr allocate(size_t n) override {
     void* p = n ? c10::alloc_cpu(n) : nullptr;
     if (p) {
@@ -242,8 +245,17 @@ struct PinnedAllocator final : c10::Allocator {
   }
   c10::DeleterFnPtr raw_deleter() const override { return &pinned_free; }
   void copy_data(void* d, const void* s, size_t n) const override { std::memcpy(d, s, n); }
+  bool record_event(void*, void*, c10::Stream) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return {}; }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
 };
 static PinnedAllocator g_pinned_allocator;
+static const bool g_pinned_registered = [] {
+  at::setHostAllocator(c10::DeviceType::PrivateUse1, &g_pinned_allocator);
+  return true;
+}();
 
 // ---------------------------------------------------------------------------------------------
 // PrivateUse1 hooks

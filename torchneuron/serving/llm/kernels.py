@@ -1,0 +1,118 @@
+"""Neuron kernels behind vLLM's layers: paged attention, the KV-cache write, RMSNorm (plain and
+with the residual add), rotary embedding, SiLU-and-mul.
+
+Each is a torch op in the `neuron_serving` namespace with a PrivateUse1 kernel, so every call is
+one device kernel: it computes on zero-copy host views of the device tensors (the software
+NeuronCore's kernels run on the host; the arithmetic is vLLM's own CPU kernels, so results match
+vLLM's CPU platform bit for bit), then charges one kernel to the device timeline priced by the
+performance model. Paged attention is priced from the step's per-sequence query and context
+lengths (hardware.model.paged_attention_cost), i.e. by the cached context actually attended.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from torchneuron import eager, runtime
+from torchneuron.hardware import model as perf_model
+
+_LIB = torch.library.Library("neuron_serving", "DEF")
+_LIB.define("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()")
+_LIB.define("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
+_LIB.define("silu_and_mul(Tensor(a!) out, Tensor x) -> ()")
+_LIB.define("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+            "Tensor cos_sin_cache, bool is_neox) -> ()")
+_LIB.define("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+            "Tensor slot_mapping, str isa) -> ()")
+_LIB.define("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor(a!) output, "
+            "Tensor query_start_loc, Tensor seq_lens, float scale, bool causal, Tensor? alibi_slopes, "
+            "int sliding_window, Tensor block_table, float softcap, Tensor scheduler_metadata, "
+            "Tensor? sinks) -> ()")
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The CPU view of a neuron tensor (CPU tensors pass through)."""
+    if t is None or t.device.type == "cpu":
+        return t
+    return runtime.host_view(t)
+
+
+def _sig(t: torch.Tensor) -> perf_model.TensorSig:
+    return t.dtype, tuple(t.shape)
+
+
+def _charge(name: str, cost: perf_model.Cost, like: torch.Tensor) -> None:
+    cost = dataclasses.replace(cost, duration_s=cost.duration_s + perf_model.launch_cost())
+    runtime.charge(f"neuron_serving::{name}", cost, device=like.device.index)
+
+
+def _ready() -> None:
+    """Device memory is read directly below: run anything adaptive eager mode still queues."""
+    if eager.pending():
+        eager.flush()
+
+
+def _rms_norm(out, x, weight, eps):
+    _ready()
+    torch.ops._C.rms_norm(_host(out), _host(x), _host(weight), eps)
+    _charge("rms_norm", perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(weight)], [_sig(out)]), x)
+
+
+def _fused_add_rms_norm(x, residual, weight, eps):
+    _ready()
+    torch.ops._C.fused_add_rms_norm(_host(x), _host(residual), _host(weight), eps)
+    # one pass: read x and residual, write the sum (new residual) and the normalised x
+    cost = perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(residual), _sig(weight)], [_sig(x), _sig(residual)])
+    _charge("fused_add_rms_norm", cost, x)
+
+
+def _silu_and_mul(out, x):
+    _ready()
+    torch.ops._C.silu_and_mul(_host(out), _host(x))
+    _charge("silu_and_mul", perf_model.op_cost("aten::silu", [_sig(x)], [_sig(out)]), x)
+
+
+def _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
+    _ready()
+    torch.ops._C.rotary_embedding(_host(positions), _host(query), _host(key), head_size, _host(cos_sin_cache), is_neox)
+    rows = (cos_sin_cache.dtype, (positions.numel(), cos_sin_cache.shape[-1]))  # the cos/sin rows gathered
+    written = [_sig(query)] + ([_sig(key)] if key is not None else [])
+    cost = perf_model.op_cost("neuron_serving::rotary_embedding", [_sig(positions), rows] + written, written)
+    _charge("rotary_embedding", cost, query)
+
+
+def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
+    _ready()
+    torch.ops._C.cpu_attn_reshape_and_cache(_host(key), _host(value), _host(key_cache), _host(value_cache),
+                                            _host(slot_mapping), isa, 1.0, 1.0, "auto")
+    cost = perf_model.kv_cache_write_cost(key.shape[0], kv_heads=key.shape[1], head_size=key.shape[2],
+                                          dtype=key_cache.dtype)
+    _charge("reshape_and_cache", cost, key)
+
+
+def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
+                     alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, sinks):
+    _ready()
+    starts, lens = _host(query_start_loc), _host(seq_lens)
+    torch.ops._C.cpu_attention_with_kv_cache(
+        _host(query), _host(key_cache), _host(value_cache), _host(output), starts, lens, scale, causal,
+        _host(alibi_slopes), sliding_window, _host(block_table), softcap, _host(scheduler_metadata), _host(sinks),
+        None, 1.0, 1.0, "auto")
+    starts_list = starts.tolist()
+    q_lens = [b - a for a, b in zip(starts_list, starts_list[1:])]
+    kv_lens = lens.tolist()[:len(q_lens)]
+    if sliding_window > 0:
+        kv_lens = [min(s, sliding_window + q - 1) for q, s in zip(q_lens, kv_lens)]
+    cost = perf_model.paged_attention_cost(
+        q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
+        dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
+    _charge("paged_attention", cost, query)
+
+
+for _name, _fn in [("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rms_norm),
+                   ("silu_and_mul", _silu_and_mul), ("rotary_embedding", _rotary_embedding),
+                   ("reshape_and_cache", _reshape_and_cache), ("paged_attention", _paged_attention)]:
+    _LIB.impl(_name, _fn, "PrivateUse1")
+
+ops = torch.ops.neuron_serving
