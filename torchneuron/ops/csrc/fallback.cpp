@@ -171,8 +171,40 @@ struct Alias {
 
 static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack);
 
+// A neuron generator passed to an op on host tensors (torch.randn(..., device="cpu",
+// generator=neuron_gen), or normal_ on a CPU tensor): the generator alone routed the op here.
+// Code written for Neuron draws its noise on the host with the device's generator (diffusers'
+// randn_tensor does), so the op runs on the CPU, its numbers from the device generator's stream
+// (the same numbers the device would have drawn), and its results stay on the host. Returns false
+// when a neuron tensor or device takes part: then the op is device work as usual.
+static bool run_host_op_with_device_generator(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack) {
+  const size_t nargs = op.schema().arguments().size();
+  const size_t base = stack->size() - nargs;
+  for (size_t i = 0; i < nargs; ++i) {
+    const IValue& v = (*stack)[base + i];
+    if (v.isTensor() && is_neuron(v.toTensor())) return false;
+    if (v.isDevice() && v.toDevice().type() == kNeuron) return false;
+    if (v.isTensorList())
+      for (const Tensor& t : v.toTensorList())
+        if (is_neuron(t)) return false;
+  }
+  bool device_generator = false;
+  for (uint16_t gi : entry.generator_args) {
+    IValue& v = (*stack)[base + gi];
+    if (v.isNone() || v.toGenerator().device().type() != kNeuron) continue;
+    const at::Generator g = v.toGenerator();
+    v = IValue(engine_of(g, g.device().index()));
+    device_generator = true;
+  }
+  if (!device_generator) return false;
+  at::AutoDispatchBelowADInplaceOrView below;
+  op.redispatchBoxed(kCPUKeys, stack);
+  return true;
+}
+
 void neuron_fallback(const c10::OperatorHandle& op, DispatchKeySet, Stack* stack) {
   OpEntry& entry = entry_of(op);
+  if (C10_UNLIKELY(!entry.generator_args.empty()) && run_host_op_with_device_generator(op, entry, stack)) return;
   if (C10_UNLIKELY(adaptive_active())) {
     if (!entry.returns_view) {
       if (adaptive_enqueue(op, entry.id, stack)) return;
