@@ -198,10 +198,8 @@ UPSTREAM_LIMITATIONS = {
     "nn.functional.grid_sample/bfloat16": "Inductor's bf16 decomposition rounds intermediates (same on CPU)",
 }
 # Failures of the eager sweep too (tests/ops/test_opinfo.py's KNOWN_FAILURES), for the same reason,
-# in float32 (the sweep's bfloat16 ops are only BF16's). as_strided.partial_views passes compiled; why
-# the eager sweep's artifact does not arise there is not examined.
-ALSO_EAGER = {key: cause for key, cause in EAGER_KNOWN_FAILURES.items()
-              if key.endswith("/float32") and key not in ("as_strided.partial_views/float32",)}
+# in float32 (the sweep's bfloat16 ops are only BF16's).
+ALSO_EAGER = {key: cause for key, cause in EAGER_KNOWN_FAILURES.items() if key.endswith("/float32")}
 COMPILED_KNOWN_FAILURES = {**NEURON_BUGS, **UPSTREAM_LIMITATIONS, **ALSO_EAGER}
 
 # Ops for which Dynamo hands no graph to the backend (they run eagerly): the rest must compile, or
