@@ -38,7 +38,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 TRACE_DEPTHS = (2, 3)
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     found = DTYPES.get(dtype.lower())
@@ -126,7 +126,7 @@ def plan(model: ModelSource, mesh: dict[str, int] | None = None, *, target: str 
     topology = Topology(node, core, nodes, assumptions, ranks)
     spec, per_rank, micro_batches = layout(topology.world_size, mesh or {}, batch, micro_batch)
     spec = ParallelSpec(spec.tp, spec.fsdp, spec.dp, spec.pp, checkpointing, sequence_parallel and spec.tp > 1)
-    compute_dtype = _dtype(dtype)
+    compute_dtype = parse_dtype(dtype)
     full_layers, total_params = _model_size(model, compute_dtype)
     stage_layers = full_layers / spec.pp if full_layers else 0
     depths: tuple[int | None, ...] = (None,)
