@@ -39,6 +39,7 @@ def test_bad_layouts_name_the_cause(tiny_config):
         plan("no-such-config.json", {}, nodes=1, ranks=1, batch=1, seq=8)
 
 
+@pytest.mark.slow
 def test_a_model_too_big_for_its_cores_says_what_would_fit(tmp_path):
     big = dict(TINY, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256)
@@ -69,3 +70,21 @@ def test_pipeline_schedule_adds_the_bubble(tiny_config):
     assert piped.bubble_s == pytest.approx(slot, rel=1e-6)             # (pp - 1) slots of 1F1B
     assert piped.step_s == pytest.approx(5 * slot + piped.optimizer.step_s, rel=1e-6)
     assert "pipeline bubble" in str(piped) and flat.bubble_s == 0
+
+
+def test_a_model_fn_with_its_batch_fn():
+    import torch
+    import torch.nn as nn
+
+    def model_fn():
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def batch_fn(micro_batch, seq, device):
+        return torch.zeros(micro_batch, seq, 64, device=device)
+
+    report = plan(model_fn, {"fsdp": 2}, target="trn2", nodes=1, ranks=2, batch=2, seq=128, batch_fn=batch_fn)
+    # forward 2*128*(64*256*2) FLOPs, backward twice that (the first layer's input gradient is not needed)
+    assert report.totals.flops >= 2 * 128 * 64 * 256 * 2 * 2
+    assert report.step_s > 0 and report.memory.items["parameters"] == (64 * 256 * 2 + 256 + 64) // 2 * 4
+    with pytest.raises(ValueError, match="batch_fn"):
+        plan(model_fn, {"fsdp": 2}, target="trn2", nodes=1, ranks=2, batch=2, seq=128)
