@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
