@@ -88,3 +88,21 @@ def test_a_model_fn_with_its_batch_fn():
     assert report.step_s > 0 and report.memory.items["parameters"] == (64 * 256 * 2 + 256 + 64) // 2 * 4
     with pytest.raises(ValueError, match="batch_fn"):
         plan(model_fn, {"fsdp": 2}, target="trn2", nodes=1, ranks=2, batch=2, seq=128)
+
+
+def test_fp8_runs_matmuls_at_the_fp8_rate():
+    import torch
+    import torch.nn as nn
+
+    def model_fn():
+        return nn.Sequential(nn.Linear(1024, 4096, bias=False), nn.Linear(4096, 1024, bias=False))
+
+    def batch_fn(micro_batch, seq, device):
+        return torch.zeros(micro_batch, seq, 1024, dtype=torch.bfloat16, device=device)
+
+    kwargs = dict(target="trn2", nodes=1, ranks=1, batch=1, seq=4096, dtype="bf16", batch_fn=batch_fn)
+    bf16 = plan(model_fn, {}, **kwargs)
+    fp8 = plan(model_fn, {}, fp8=True, **kwargs)
+    mm = lambda r: r.totals.by_name["aten::mm"][1]  # noqa: E731
+    assert mm(fp8) < 0.75 * mm(bf16)          # the FP8 Tensor-engine rate is twice BF16's on trn2
+    assert fp8.peak_flops == 2 * bf16.peak_flops
