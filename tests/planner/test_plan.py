@@ -39,6 +39,7 @@ def test_bad_layouts_name_the_cause(tiny_config):
         plan("no-such-config.json", {}, nodes=1, ranks=1, batch=1, seq=8)
 
 
+@pytest.mark.slow
 def test_a_model_too_big_for_its_cores_says_what_would_fit(tmp_path):
     big = dict(TINY, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256)
@@ -58,3 +59,50 @@ def test_cli_plan(tiny_config, capsys):
     assert code == 0 and "step time" in out and "mode compiled" in out
     assert main(["plan", "--model", tiny_config, "--nodes", "1", "--tp", "3", "--global-batch", "2"]) == 2
     assert "does not divide" in capsys.readouterr().out
+
+
+def test_pipeline_schedule_adds_the_bubble(tiny_config):
+    kwargs = dict(target="trn2", nodes=1, ranks=4, batch=8, seq=32)
+    flat = plan(tiny_config, {"fsdp": 4}, **kwargs)
+    piped = plan(tiny_config, {"pp": 2, "fsdp": 2}, **kwargs)
+    assert piped.spec.pp == 2 and piped.micro_batches == 4
+    slot = piped.micro.step_s + piped.p2p_s / piped.micro_batches
+    assert piped.bubble_s == pytest.approx(slot, rel=1e-6)             # (pp - 1) slots of 1F1B
+    assert piped.step_s == pytest.approx(5 * slot + piped.optimizer.step_s, rel=1e-6)
+    assert "pipeline bubble" in str(piped) and flat.bubble_s == 0
+
+
+def test_a_model_fn_with_its_batch_fn():
+    import torch
+    import torch.nn as nn
+
+    def model_fn():
+        return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+
+    def batch_fn(micro_batch, seq, device):
+        return torch.zeros(micro_batch, seq, 64, device=device)
+
+    report = plan(model_fn, {"fsdp": 2}, target="trn2", nodes=1, ranks=2, batch=2, seq=128, batch_fn=batch_fn)
+    # forward 2*128*(64*256*2) FLOPs, backward twice that (the first layer's input gradient is not needed)
+    assert report.totals.flops >= 2 * 128 * 64 * 256 * 2 * 2
+    assert report.step_s > 0 and report.memory.items["parameters"] == (64 * 256 * 2 + 256 + 64) // 2 * 4
+    with pytest.raises(ValueError, match="batch_fn"):
+        plan(model_fn, {"fsdp": 2}, target="trn2", nodes=1, ranks=2, batch=2, seq=128)
+
+
+def test_fp8_runs_matmuls_at_the_fp8_rate():
+    import torch
+    import torch.nn as nn
+
+    def model_fn():
+        return nn.Sequential(nn.Linear(1024, 4096, bias=False), nn.Linear(4096, 1024, bias=False))
+
+    def batch_fn(micro_batch, seq, device):
+        return torch.zeros(micro_batch, seq, 1024, dtype=torch.bfloat16, device=device)
+
+    kwargs = dict(target="trn2", nodes=1, ranks=1, batch=1, seq=4096, dtype="bf16", batch_fn=batch_fn)
+    bf16 = plan(model_fn, {}, **kwargs)
+    fp8 = plan(model_fn, {}, fp8=True, **kwargs)
+    mm = lambda r: r.totals.by_name["aten::mm"][1]  # noqa: E731
+    assert mm(fp8) < 0.75 * mm(bf16)          # the FP8 Tensor-engine rate is twice BF16's on trn2
+    assert fp8.peak_flops == 2 * bf16.peak_flops

@@ -18,10 +18,11 @@ simulate (pricing per mode, replay), memory (the memory plan), training (`plan`)
 from __future__ import annotations
 
 from torchneuron.planner.cluster import INSTANCES, Assumptions, Instance, logical_target
+from torchneuron.planner.inference import plan_inference
 from torchneuron.planner.memory import MemoryPlan
 from torchneuron.planner.report import InferencePlan, TrainingPlan
 from torchneuron.planner.topology import Topology
 from torchneuron.planner.training import plan
 
 __all__ = ["INSTANCES", "Assumptions", "InferencePlan", "Instance", "MemoryPlan", "Topology", "TrainingPlan",
-           "logical_target", "plan"]
+           "logical_target", "plan", "plan_inference"]

@@ -101,7 +101,9 @@ _COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key"
 _ROWWISE = ("o_proj", "down_proj", "dense", "fc2", "w2", "out_proj")
 
 
-def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style tensor parallelism of a transformers decoder over `tp_mesh` (see the module
+    docstring), with sequence parallelism when asked."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
@@ -145,7 +147,7 @@ def parallelize(model: nn.Module, device_mesh: DeviceMesh, spec: ParallelSpec, d
     if parallelize_fn is not None:
         parallelize_fn(model, device_mesh)
     elif spec.tp > 1:
-        _tensor_parallel(model, device_mesh["tp"], spec.sequence_parallel)
+        tensor_parallel(model, device_mesh["tp"], spec.sequence_parallel)
     layers = decoder_layers(model)
     if spec.checkpointing and layers is not None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -206,7 +206,8 @@ class Tracer(TorchDispatchMode):
         if any(isinstance(a, DTensor) for a in flat):
             return NotImplemented  # DTensor runs the op as local ops, which come back here
         key = _decomposed_on_device(func)
-        if key is not None and self.recording and func not in self._decomposing:
+        if key is not None and self.recording and func not in self._decomposing and any(
+                isinstance(a, torch.Tensor) and a.device.type == "neuron" for a in flat):
             self._decomposing.add(func)
             try:
                 with self:  # the kernel's own ops come back here, as the device's work log sees them

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -38,7 +38,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 TRACE_DEPTHS = (2, 3)
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     found = DTYPES.get(dtype.lower())
@@ -126,8 +126,8 @@ def plan(model: ModelSource, mesh: dict[str, int] | None = None, *, target: str 
     topology = Topology(node, core, nodes, assumptions, ranks)
     spec, per_rank, micro_batches = layout(topology.world_size, mesh or {}, batch, micro_batch)
     spec = ParallelSpec(spec.tp, spec.fsdp, spec.dp, spec.pp, checkpointing, sequence_parallel and spec.tp > 1)
-    compute_dtype = _dtype(dtype)
-    full_layers, total_params = _model_size(model, compute_dtype)
+    compute_dtype = parse_dtype(dtype)
+    full_layers, total_params, hidden = _model_size(model, compute_dtype)
     stage_layers = full_layers / spec.pp if full_layers else 0
     depths: tuple[int | None, ...] = (None,)
     if not callable(model) and full_layers > max(TRACE_DEPTHS) and (full_layers / spec.pp) > max(TRACE_DEPTHS):
@@ -151,8 +151,8 @@ def plan(model: ModelSource, mesh: dict[str, int] | None = None, *, target: str 
     bubble_s = 0.0
     p2p_s = 0.0
     if spec.pp > 1:
-        step, bubble_s, p2p_s = _pipeline(step, micro, opt, spec, micro_batches, micro_batch, seq, trace, topology,
-                                          compute_dtype)
+        step, bubble_s, p2p_s = _pipeline(step, micro, opt, spec, micro_batches, micro_batch * seq * hidden,
+                                          topology, compute_dtype)
     memory = MemoryPlan(items, core.hbm_bytes, assumptions.hbm_reserved_fraction, checkpointing)
     if spec.pp > 1:
         memory.items["activations"] *= min(spec.pp, micro_batches)  # 1F1B: up to pp micro-batches in flight
@@ -165,26 +165,27 @@ def plan(model: ModelSource, mesh: dict[str, int] | None = None, *, target: str 
         global_batch=batch, seq=seq, micro_batch=micro_batch, micro_batches=micro_batches, totals=step,
         micro=micro, optimizer=opt, memory=memory, total_params=total_params, layers=full_layers,
         bubble_s=bubble_s, p2p_s=p2p_s, assumptions=assumptions, topology=topology,
-        depths=depths if len(depths) > 1 else (), planning_s=time.perf_counter() - started, hidden=_hidden_size(trace))
+        depths=depths if len(depths) > 1 else (), planning_s=time.perf_counter() - started, hidden=hidden)
 
 
-def _model_size(model: ModelSource, dtype: torch.dtype) -> tuple[int, int]:
-    """(decoder layers, parameters) of the full model, built on the meta device."""
+def _model_size(model: ModelSource, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(decoder layers, parameters, hidden size) of the full model, built on the meta device."""
     if callable(model):
-        return 0, 0
+        return 0, 0, 0
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch.device("meta"):
         built = build_model(model, dtype, FakeTensorMode(allow_non_fake_inputs=True))
     layers = decoder_layers(built)
-    return (len(layers) if layers is not None else 0), sum(p.numel() for p in built.parameters())
+    hidden = getattr(getattr(built, "config", None), "hidden_size", 0)
+    return (len(layers) if layers is not None else 0), sum(p.numel() for p in built.parameters()), hidden
 
 
-def _pipeline(step: Totals, micro: Totals, opt: Totals, spec: ParallelSpec, micro_batches: int, micro_batch: int,
-              seq: int, trace: StepTrace, topology: Topology, dtype: torch.dtype) -> tuple[Totals, float, float]:
-    """The 1F1B schedule of the traced stage: (step totals, bubble seconds, p2p seconds)."""
-    hidden = _hidden_size(trace)
-    activation = micro_batch * seq * hidden * dtype.itemsize // (spec.tp if spec.sequence_parallel else 1)
+def _pipeline(step: Totals, micro: Totals, opt: Totals, spec: ParallelSpec, micro_batches: int,
+              activation_numel: int, topology: Topology, dtype: torch.dtype) -> tuple[Totals, float, float]:
+    """The 1F1B schedule of the traced stage: (step totals, bubble seconds, p2p seconds);
+    `activation_numel`: elements of the hidden states one micro-batch hands to the next stage."""
+    activation = activation_numel * dtype.itemsize // (spec.tp if spec.sequence_parallel else 1)
     stride = topology.world_size // spec.pp
     send, _ = topology.collective("send", activation, (0, stride))
     p2p = 2 * send.duration_s                        # the activation forward, its gradient back
@@ -194,10 +195,3 @@ def _pipeline(step: Totals, micro: Totals, opt: Totals, spec: ParallelSpec, micr
     total.step_s = slots * slot + opt.step_s
     total.comm_s = step.comm_s + micro_batches * p2p
     return total, (spec.pp - 1) * slot, micro_batches * p2p
-
-
-def _hidden_size(trace: StepTrace) -> int:
-    for event in trace.micro.events:
-        if getattr(event, "name", "") == "aten::embedding":
-            return event.outputs[0][1][-1]
-    return 0
