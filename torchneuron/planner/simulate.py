@@ -41,7 +41,7 @@ from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.eager.fusion import MIN_OPS
 from torchneuron.eager.ops import FUSIBLE_CATEGORIES
 from torchneuron.hardware import Cost, DeviceTimeline, Target, copy_cost, launch_cost, op_cost
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.taxonomy import classify
 from torchneuron.ops import policy
 
 from torchneuron.planner.topology import Topology

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchneuron.hardware.model import classify
+from torchneuron.hardware.taxonomy import classify
 
 COLLECTIVES = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
