@@ -8,8 +8,12 @@ torch into a build environment:  pip install --no-build-isolation -e .
 import glob
 import os
 
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+# Importing torch autoloads installed device backends, this package included: a stale _C.so in the
+# tree would then fail the very build that replaces it. The build needs none of them.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 CSRC_DIRS = ["torchneuron/runtime/csrc", "torchneuron/ops/csrc", "torchneuron/eager/csrc"]
 
