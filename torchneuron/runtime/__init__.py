@@ -40,13 +40,14 @@ def register() -> None:
     torch._register_device_module("neuron", neuron_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    from torchneuron.ops import histogram, policy, printing, scaled_mm
+    from torchneuron.ops import histogram, policy, printing, scaled_mm, torchao_support
     from torchneuron.runtime import memory, worklog
 
     policy.install()
     printing.install()
     histogram.install()
     scaled_mm.install()
+    torchao_support.install_when_imported()
     worklog.install()
     memory.configure_capacity()
     if os.environ.get("TORCHNEURON_AUTOGRAD_THREADS", "0") != "1":
