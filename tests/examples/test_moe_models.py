@@ -50,8 +50,7 @@ def train(model, device: str) -> list[float]:
 def cases():
     for name in MODELS:
         for impl in IMPLEMENTATIONS:
-            slow = (name, impl) not in {("mixtral", "grouped_mm"), ("deepseek_v3", "grouped_mm"),
-                                        ("qwen3_moe", "batched_mm")}
+            slow = (name, impl) not in {("mixtral", "grouped_mm"), ("deepseek_v3", "grouped_mm")}
             yield pytest.param(name, impl, id=f"{name}-{impl}", marks=[pytest.mark.slow] if slow else [])
 
 

@@ -90,7 +90,7 @@ def test_float64_elementwise_arithmetic_is_emulated_on_the_vector_engine():
     cost = op_cost("aten::mul.Tensor", [sig, sig], [sig], TRN2)
     native = op_cost("aten::mul.Tensor", [(torch.float32, (1 << 16,))] * 2, [(torch.float32, (1 << 16,))], TRN2)
     assert not cost.fallback and cost.engine == "vector"
-    assert 10 * native.duration_s < cost.duration_s  # tens of integer instructions an element
+    assert cost.bound == "compute" and 4 * native.duration_s < cost.duration_s  # tens of integer ops an element
     complex_sig = (torch.complex64, (1 << 16,))
     assert op_cost("aten::mul.Tensor", [complex_sig] * 2, [complex_sig], TRN2).fallback
 
