@@ -7,6 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from .training import train_losses  # noqa: E402
+
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -41,26 +43,14 @@ MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "d
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
-def train(model, device: str, steps: int = 3) -> list[float]:
-    model = model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(3, VOCAB, (2, 12), generator=gen).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+def train(model, device: str) -> list[float]:
+    return train_losses(model, device, vocab=VOCAB, lr=1e-2, shape=(2, 12), low=3)
 
 
 def cases():
     for name in MODELS:
         for impl in IMPLEMENTATIONS:
-            slow = (name, impl) not in {("mixtral", "grouped_mm"), ("deepseek_v3", "grouped_mm"),
-                                        ("qwen3_moe", "batched_mm")}
+            slow = (name, impl) not in {("mixtral", "grouped_mm"), ("deepseek_v3", "grouped_mm")}
             yield pytest.param(name, impl, id=f"{name}-{impl}", marks=[pytest.mark.slow] if slow else [])
 
 

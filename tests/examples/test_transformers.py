@@ -6,6 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from .training import train_losses  # noqa: E402
+
 
 def tiny_llama():
     from torchneuron.examples.train_llama import tiny_llama_config
@@ -17,21 +19,6 @@ def tiny_gpt2():
     config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(config)
-
-
-def train_losses(model, device: str, steps: int = 3) -> list[float]:
-    model = model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (2, 16), generator=gen).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])

@@ -85,17 +85,27 @@ def test_trn1_models_fp8_as_cfp8_at_the_bf16_rate_and_warns_once(monkeypatch):
     assert e4m3.duration_s == pytest.approx(bf16.duration_s, rel=0.1)
 
 
+def test_float64_elementwise_arithmetic_is_emulated_on_the_vector_engine():
+    sig = (torch.float64, (1 << 16,))
+    cost = op_cost("aten::mul.Tensor", [sig, sig], [sig], TRN2)
+    native = op_cost("aten::mul.Tensor", [(torch.float32, (1 << 16,))] * 2, [(torch.float32, (1 << 16,))], TRN2)
+    assert not cost.fallback and cost.engine == "vector"
+    assert cost.bound == "compute" and 4 * native.duration_s < cost.duration_s  # tens of integer ops an element
+    complex_sig = (torch.complex64, (1 << 16,))
+    assert op_cost("aten::mul.Tensor", [complex_sig] * 2, [complex_sig], TRN2).fallback
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
 def test_float64_and_complex_are_host_fallbacks_not_errors(dtype):
     sig = (dtype, (1 << 20,))
-    cost = op_cost("aten::add.Tensor", [sig, sig], [sig], TRN2)
+    cost = op_cost("aten::atan2", [sig, sig], [sig], TRN2)
     nbytes = 3 * (1 << 20) * dtype.itemsize
     assert cost.fallback and cost.engine == "host" and cost.flops == 0
     assert cost.bytes == nbytes
     # each direction: a PCIe round trip + a DMA latency, and the bytes at the link rate
     fixed = 2 * (TRN2.host_link_latency_s + TRN2.dma_fixed_latency_s)
     assert cost.duration_s == pytest.approx(fixed + nbytes / TRN2.host_link_bytes_per_s)
-    with_host = op_cost("aten::add.Tensor", [sig, sig], [sig], TRN2, host_seconds=0.5)
+    with_host = op_cost("aten::atan2", [sig, sig], [sig], TRN2, host_seconds=0.5)
     assert with_host.duration_s == pytest.approx(cost.duration_s + 0.5)
     assert with_host.bound == "compute"
 

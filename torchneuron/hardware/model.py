@@ -370,6 +370,36 @@ def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: S
     return _Work({"vector": vector_s}, _total_bytes(ins) + _total_bytes(outs), float(elements * bins))
 
 
+# ---- float64 arithmetic, emulated ---------------------------------------------------------------
+
+# Elementwise float64 arithmetic the device runs without a host round trip: the NeuronCore has no
+# FP64 unit, so each element is computed by an IEEE-exact software routine on the Vector engine's
+# 32-bit integer ALU (unpack sign/exponent/mantissa, integer multiply-add with carries, normalise,
+# round to nearest even). Mixed-precision recipes use it for small scale tensors (torchao's
+# float8 scale math); anything else in float64 (matmuls, transcendentals, reductions but
+# amax/amin) stays a host fallback.
+FP64_EMULATED_OPS = frozenset(_names(
+    "add sub rsub mul div reciprocal neg abs clamp clamp_min clamp_max maximum minimum where",
+    "eq ne lt le gt ge sign floor ceil trunc round amax amin masked_fill"))
+# Assumption: ~40 integer instructions an element (a softfloat add/mul with 32-bit limbs);
+# division and reciprocal iterate Newton steps on the mantissa, about twice that.
+FP64_EMULATION_PASSES = 40
+FP64_DIVISION_PASSES = 80
+
+
+def _fp64_emulated(op: str, sigs: Sequence[TensorSig]) -> bool:
+    return (base_name(op) in FP64_EMULATED_OPS and any(dtype == torch.float64 for dtype, _ in sigs)
+            and not any(dtype.is_complex for dtype, _ in sigs))
+
+
+def _fp64_emulated_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
+    passes = FP64_DIVISION_PASSES if base_name(op) in ("div", "reciprocal") else FP64_EMULATION_PASSES
+    elements = max(_elements(outs), _elements(ins))
+    work = _Work({"vector": _engine_passes(target, "vector", elements, passes)},
+                 _total_bytes(ins) + _total_bytes(outs), float(elements))
+    return _finish(target, work)
+
+
 # Ops priced by the functions above, by base name (before the category taxonomy is consulted).
 _SPECIAL_WORK: dict[str, Callable[..., _Work | None]] = {
     "_scaled_mm": _scaled_matmul_work, "_scaled_mm_v2": _scaled_matmul_work,
@@ -822,7 +852,9 @@ def op_cost(op: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig],
     key = (op, inputs, outputs, target.name, fallback)
     cost = _cache.get(key)
     if cost is None:
-        if fallback or _runs_on_host(target, inputs + outputs):
+        if not fallback and _fp64_emulated(op, inputs + outputs):
+            cost = _fp64_emulated_cost(target, op, inputs, outputs)
+        elif fallback or _runs_on_host(target, inputs + outputs):
             cost = _fallback_cost(target, inputs, outputs)
         else:
             cost = _device_cost(target, op, inputs, outputs)

@@ -3,18 +3,20 @@
 - policy.py: which ops the NeuronCore runs natively and which fall back to the host CPU;
 - printing.py: printing a neuron tensor formats its values on the host;
 - histogram.py, scaled_mm.py: device ops the CPU kernels lack (integer histc/bincount, grouped and
-  block-scaled matmuls).
+  block-scaled matmuls);
+- torchao_support.py: torchao's quantization configs accept modules on neuron.
 
-`install()` (called when torchneuron is imported) connects both to the runtime.
+`install()` (called when torchneuron is imported) connects them to the runtime.
 """
 from __future__ import annotations
 
-from torchneuron.ops import histogram, policy, printing, scaled_mm
+from torchneuron.ops import histogram, policy, printing, scaled_mm, torchao_support
 
 
 def install() -> None:
-    """Registers the fallback policy with the C++ fallback and the host-side tensor printing."""
+    """Registers the fallback policy with the C++ fallback, host-side printing and the device ops."""
     policy.install()
     printing.install()
     histogram.install()
     scaled_mm.install()
+    torchao_support.install_when_imported()

@@ -2,7 +2,7 @@
 
 Every op executes on the host in this software device, but the *policy* decides what the
 modeled Trainium does: an op listed here (or any op on float64/complex data, which the hardware
-lacks) is a CPU fallback: it is counted, warned about once, charged as a host round trip on the
+lacks, but for the float64 elementwise arithmetic the engines emulate) is a CPU fallback: it is counted, warned about once, charged as a host round trip on the
 device timeline, and refused in strict mode (TORCHNEURON_STRICT=1 or set_strict(True)).
 The C++ fallback asks `classify_op` once per operator.
 """
@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from torchneuron.hardware.model import FP64_EMULATED_OPS
 from torchneuron.runtime import _C
 from torchneuron.runtime.extension import ops
 
@@ -21,6 +22,7 @@ HOST_ONLY = _C.OP_POLICY["HOST_ONLY"]          # no NeuronCore implementation: r
 IMPLICIT_RNG = _C.OP_POLICY["IMPLICIT_RNG"]    # the CPU kernel draws from the default generator without an argument
 MIXED_DEVICES = _C.OP_POLICY["MIXED_DEVICES"]  # accepts CPU tensors beside neuron ones (as CUDA does for these ops)
 DATA_MOVEMENT = _C.OP_POLICY["DATA_MOVEMENT"]  # moves bytes only: any dtype is native (no FP64 arithmetic involved)
+FP64_EMULATED = _C.OP_POLICY["FP64_EMULATED"]  # float64 elementwise arithmetic emulated on the engines (hardware.model)
 
 # Ops with no NeuronCore implementation in the real stack: dense linear-algebra factorisations,
 # FFTs, data-dependent output shapes and host-side sampling/statistics.
@@ -66,6 +68,8 @@ def classify_op(name: str) -> int:
         policy |= MIXED_DEVICES
     if base in DATA_MOVEMENT_OPS:
         policy |= DATA_MOVEMENT
+    if base.removeprefix("aten::").removesuffix("_") in FP64_EMULATED_OPS:
+        policy |= FP64_EMULATED
     return policy
 
 

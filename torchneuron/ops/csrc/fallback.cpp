@@ -109,6 +109,18 @@ static OpEntry& entry_of(const c10::OperatorHandle& op) {
 
 int32_t op_id_of(const c10::OperatorHandle& op) { return entry_of(op).id; }
 
+// Whether any tensor argument of the op on the stack is complex (float64 alone can be emulated).
+static bool has_complex_operand(const Stack& stack, size_t base, size_t nargs) {
+  for (size_t i = base; i < base + nargs; ++i) {
+    const IValue& v = stack[i];
+    if (v.isTensor() && v.toTensor().defined() && c10::isComplexType(v.toTensor().scalar_type())) return true;
+    if (v.isTensorList())
+      for (const at::Tensor& t : v.toTensorList())
+        if (t.defined() && c10::isComplexType(t.scalar_type())) return true;
+  }
+  return false;
+}
+
 static bool is_host_only_dtype(c10::ScalarType t) {
   return t == c10::kDouble || c10::isComplexType(t);  // no FP64 or complex in NeuronCore hardware
 }
@@ -376,7 +388,9 @@ static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* 
     if (!v.isNone()) g = v.toGenerator();
     v = IValue(engine_of(g, index));
   }
-  const bool on_host = (entry.policy & kPolicyHost) || (host_dtype && !(entry.policy & kPolicyDataMovement));
+  const bool on_host = (entry.policy & kPolicyHost) ||
+                       (host_dtype && !(entry.policy & kPolicyDataMovement) &&
+                        !((entry.policy & kPolicyFp64Emulated) && !has_complex_operand(*stack, base, nargs)));
   if (C10_UNLIKELY(on_host)) {
     if (entry.policy & kPolicyHost)
       note_fallback(entry, "op", "no NeuronCore implementation");

@@ -64,6 +64,7 @@ enum OpPolicy : int32_t {
   kPolicyImplicitRng = 2,  // the CPU kernel draws from the CPU default generator internally
   kPolicyMixedDevices = 4, // CPU tensor arguments are legitimate (index tensors, copies)
   kPolicyDataMovement = 8, // moves bytes only: no dtype makes it a host op
+  kPolicyFp64Emulated = 16, // float64 elementwise arithmetic, emulated on the engines (no complex)
 };
 
 constexpr int kMaxSigs = 4;

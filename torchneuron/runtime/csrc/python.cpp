@@ -201,6 +201,7 @@ py::dict op_policy_bits() {
   d["IMPLICIT_RNG"] = static_cast<int>(torchneuron::kPolicyImplicitRng);
   d["MIXED_DEVICES"] = static_cast<int>(torchneuron::kPolicyMixedDevices);
   d["DATA_MOVEMENT"] = static_cast<int>(torchneuron::kPolicyDataMovement);
+  d["FP64_EMULATED"] = static_cast<int>(torchneuron::kPolicyFp64Emulated);
   return d;
 }
 }  // namespace

@@ -1,0 +1,88 @@
+"""torchao 0.18 on neuron: float8 training of a tiny Llama (equal to the CPU running the same recipe,
+close to bf16, no host round trip for the float64 scale math) and quantize_ for inference
+(int8 and int4 weight-only, float8 dynamic activation + weight) generating the CPU's tokens."""
+import copy
+
+import pytest
+import torch
+
+import torchneuron
+
+transformers = pytest.importorskip("transformers")
+torchao = pytest.importorskip("torchao")
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.quantization import quant_api as q  # noqa: E402
+from torchao.quantization import quantize_  # noqa: E402
+
+from .training import train_losses  # noqa: E402
+
+VOCAB = 128
+PROMPT = torch.tensor([[5, 17, 42, 7]])
+
+
+def tiny_llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _fp8_linears(module, fqn):
+    return isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
+
+
+def train(model, device, recipe=None):
+    if recipe is not None:
+        config = Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
+        convert_to_float8_training(model.to(device), config=config, module_filter_fn=_fp8_linears)
+    return train_losses(model, device, vocab=VOCAB)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
+def test_float8_training_on_neuron_equals_cpu_and_stays_on_device(recipe):
+    model = tiny_llama()
+    high_precision = train(copy.deepcopy(model), "cpu")
+    cpu = train(copy.deepcopy(model), "cpu", recipe)
+    torchneuron.reset_fallback_counts()
+    torchneuron.set_strict(True)  # torchao's float64 scale math must not leave the device
+    try:
+        neuron = train(model, "neuron", recipe)
+    finally:
+        torchneuron.set_strict(False)
+    assert torchneuron.fallback_counts() == {}
+    assert neuron == pytest.approx(cpu, rel=1e-5, abs=1e-5)
+    assert neuron == pytest.approx(high_precision, rel=2e-2)
+    assert isinstance(model.model.layers[0].mlp.up_proj, torchao.float8.float8_linear.Float8Linear)
+
+
+def generate(model, device):
+    return model.to(device).generate(PROMPT.to(device), max_new_tokens=6, do_sample=False).cpu()
+
+
+@pytest.mark.parametrize("config", [
+    q.Int8WeightOnlyConfig(),
+    pytest.param(q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=q.PerGroup(32)), marks=pytest.mark.slow),
+], ids=["int8_weight_only", "int4_weight_only"])
+def test_weight_only_quantized_generate_equals_cpu(config):
+    model = tiny_llama(torch.bfloat16).eval()
+    on_cpu = copy.deepcopy(model)
+    quantize_(on_cpu, config)
+    on_neuron = model.to("neuron")
+    quantize_(on_neuron, config)
+    assert type(on_neuron.model.layers[0].mlp.up_proj.weight) is type(on_cpu.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(generate(on_neuron, "neuron"), generate(on_cpu, "cpu"))
+
+
+@pytest.mark.parametrize("granularity", [q.PerTensor(), pytest.param(q.PerRow(), marks=pytest.mark.slow)],
+                         ids=["per_tensor", "per_row"])
+def test_float8_dynamic_quantization_is_accepted_on_neuron(granularity):
+    config = q.Float8DynamicActivationFloat8WeightConfig(granularity=granularity)
+    model = tiny_llama(torch.bfloat16).eval()
+    with pytest.raises(AssertionError, match="requires CUDA compute capability"):  # torchao's own check, on CPU
+        quantize_(copy.deepcopy(model), config)
+    on_neuron = model.to("neuron")
+    quantize_(on_neuron, config)
+    weight = on_neuron.model.layers[0].mlp.up_proj.weight
+    assert type(weight).__name__ == "Float8Tensor" and weight.qdata.dtype == torch.float8_e4m3fn
+    tokens = generate(on_neuron, "neuron")
+    assert torch.equal(tokens, generate(copy.deepcopy(on_neuron), "cpu"))  # the same quantized model on CPU
