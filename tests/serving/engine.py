@@ -7,6 +7,8 @@ import os
 import tempfile
 from typing import Any, Iterator
 
+import torch
+
 
 @contextlib.contextmanager
 def in_process_llm(model: str, **kwargs: Any) -> Iterator[tuple[Any, str]]:
@@ -28,6 +30,7 @@ def in_process_llm(model: str, **kwargs: Any) -> Iterator[tuple[Any, str]]:
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+        torch.accelerator.empty_cache()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -116,3 +116,31 @@ for _name, _fn in [("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rm
     _LIB.impl(_name, _fn, "PrivateUse1")
 
 ops = torch.ops.neuron_serving
+
+
+def _topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize, bias, is_padding):
+    """The MoE router's top-k of softmax(logits) (renormalised over the chosen k if asked)."""
+    _ready()
+    logits = _host(gating_output).float()
+    scores = logits.softmax(dim=-1)
+    chosen = (scores + _host(bias).float() if bias is not None else scores).topk(topk_ids.shape[1], dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if is_padding is not None:  # padded rows route nowhere
+        weights = weights.masked_fill(_host(is_padding).bool().reshape(-1, 1), 0.0)
+    _host(topk_weights).copy_(weights)
+    _host(topk_ids).copy_(chosen)
+    tokens, k = chosen.shape
+    _host(token_expert_indices).copy_(torch.arange(k).mul(tokens).reshape(1, k) + torch.arange(tokens).reshape(tokens, 1))
+    cost = perf_model.op_cost("aten::topk", [_sig(gating_output)], [_sig(topk_weights), _sig(topk_ids)])
+    _charge("topk_softmax", cost, gating_output)
+
+
+# vLLM's MoE router calls the fused top-k-softmax of its CUDA build (`_moe_C`), which its CPU build
+# lacks: give that op its neuron kernel (only if no build of vLLM defined it).
+if not hasattr(torch.ops._moe_C, "topk_softmax"):
+    _MOE_LIB = torch.library.Library("_moe_C", "FRAGMENT")
+    _MOE_LIB.define("topk_softmax(Tensor(a!) topk_weights, Tensor(b!) topk_ids, Tensor(c!) token_expert_indices, "
+                    "Tensor gating_output, bool renormalize, Tensor? bias, Tensor? is_padding) -> ()")
+    _MOE_LIB.impl("topk_softmax", _topk_softmax, "PrivateUse1")
