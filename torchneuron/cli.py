@@ -16,7 +16,7 @@ ENVIRONMENT_VARIABLES = {
     "TORCHNEURON_MEMORY_CAPACITY": "modeled HBM per device, e.g. 8GiB (default: the target's HBM per core)",
     "TORCHNEURON_STRICT": "1: an op that would fall back to the CPU raises instead",
     "TORCHNEURON_TIMELINE": "0: do not record device work (no modeled timing)",
-    "TORCHNEURON_AUTOGRAD_THREADS": "1: keep autograd's per-device worker threads (off by default: slower here)",
+    "TORCHNEURON_AUTOGRAD_THREADS": "1: keep autograd's worker threads for neuron backward passes (off by default: slower here)",
     "TORCHNEURON_PROFILER_MAX_EVENTS": "most device events one profile keeps (default 1,000,000)",
     "TORCHNEURON_EAGER_MODE": "adaptive: queue eager ops and dispatch fused runs",
     "TORCHNEURON_COMPILE_FALLBACK": "eager: run graphs that fail to compile eagerly (default raise)",

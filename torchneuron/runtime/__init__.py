@@ -6,8 +6,6 @@ and connects the C++ hot path to its Python policy and device timeline.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from torchneuron.runtime.extension import load_runtime_library, ops
@@ -40,15 +38,13 @@ def register() -> None:
     torch._register_device_module("neuron", neuron_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    from torchneuron.ops import policy, printing
-    from torchneuron.runtime import memory, worklog
+    from torchneuron.ops import policy, printing, sync_batch_norm
+    from torchneuron.runtime import autograd_threads, memory, worklog
 
     policy.install()
     printing.install()
+    sync_batch_norm.install()
     worklog.install()
     memory.configure_capacity()
-    if os.environ.get("TORCHNEURON_AUTOGRAD_THREADS", "0") != "1":
-        # The autograd engine runs a non-CPU device's backward on a worker thread of its own; for a
-        # device whose kernels run on the host that hand-off costs 100-200 us a step and buys nothing.
-        torch.autograd.set_multithreading_enabled(False)
+    autograd_threads.install()  # backward passes on neuron run on the calling thread (not process-wide)
     _registered = True
