@@ -97,7 +97,7 @@ class Settings:
         "TORCHNEURON_TIMELINE", True, "`0`: record no device work (no modeled timing, slightly less overhead)")
     autograd_threads: bool = variable(
         "TORCHNEURON_AUTOGRAD_THREADS", False,
-        "`1`: keep autograd's per-device worker thread (off by default; costs 100-200 µs a step here)")
+        "`1`: keep autograd's device worker threads for backward passes on neuron too (off by default for neuron only; they cost 100-200 µs a step here)")
     eager_mode: str | None = variable(
         "TORCHNEURON_EAGER_MODE", None,
         "`adaptive`: queue eager ops and dispatch fused runs (same as `torchneuron.set_eager_mode(\"adaptive\")`)",

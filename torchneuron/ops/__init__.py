@@ -4,13 +4,14 @@
 - printing.py: printing a neuron tensor formats its values on the host;
 - histogram.py, scaled_mm.py: device ops the CPU kernels lack (integer histc/bincount, grouped and
   block-scaled matmuls);
+- sync_batch_norm.py: the statistics ops SyncBatchNorm calls off the CPU, with CUDA's semantics;
 - torchao_support.py: torchao's quantization configs accept modules on neuron.
 
 `install()` (called when torchneuron is imported) connects them to the runtime.
 """
 from __future__ import annotations
 
-from torchneuron.ops import histogram, policy, printing, scaled_mm, torchao_support
+from torchneuron.ops import histogram, policy, printing, scaled_mm, sync_batch_norm, torchao_support
 
 
 def install() -> None:
@@ -19,4 +20,5 @@ def install() -> None:
     printing.install()
     histogram.install()
     scaled_mm.install()
+    sync_batch_norm.install()
     torchao_support.install_when_imported()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torchneuron import settings
+from torchneuron.runtime import autograd_threads
 from torchneuron.runtime.extension import load_runtime_library, ops
 
 _registered = False
@@ -30,8 +30,5 @@ def register() -> None:
     torch.utils.rename_privateuse1_backend("neuron")
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    if not settings.current().autograd_threads:
-        # The autograd engine runs a non-CPU device's backward on a worker thread of its own; for a
-        # device whose kernels run on the host that hand-off costs 100-200 us a step and buys nothing.
-        torch.autograd.set_multithreading_enabled(False)
+    autograd_threads.install()  # backward passes on neuron run on the calling thread (not process-wide)
     _registered = True

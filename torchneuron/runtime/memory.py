@@ -68,6 +68,17 @@ def reset_accumulated_memory_stats(device: Any = None) -> None:
     torch.accelerator.reset_accumulated_memory_stats(_dev(device))
 
 
+def reset_max_memory_allocated(device: Any = None) -> None:
+    """torch.cuda's older name: resets the peak of allocated memory (now all peaks, as CUDA does)."""
+    reset_peak_memory_stats(device)
+
+
+def ipc_collect() -> None:
+    """torch.cuda.ipc_collect frees memory other processes released after receiving it over IPC; neuron
+    memory is never shared between processes that way (tensors sent to other processes are copied), so
+    there is nothing left to collect."""
+
+
 def empty_cache() -> None:
     torch.accelerator.empty_cache()
 

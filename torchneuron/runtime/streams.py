@@ -96,6 +96,11 @@ class StreamContext:
         return False
 
 
+def is_current_stream_capturing() -> bool:
+    """Whether the current stream is capturing a graph (CUDA graphs): neuron has no graph capture, so never."""
+    return False
+
+
 def stream(stream: torch.Stream | None) -> StreamContext:
     """Context manager selecting `stream` (None: no change), like torch.cuda.stream."""
     return StreamContext(stream)

@@ -42,7 +42,9 @@ static void record_copy(const Tensor& src, const Tensor& dst) {
   static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("aten::copy_", "");
   const bool s = is_neuron(src), d = is_neuron(dst);
   const int32_t flags = s && d ? kDeviceToDevice : (d ? kHostToDevice : kDeviceToHost);
-  record_work(WorkKind::kCopy, handle, flags, {&src}, {&dst}, d ? dst.device().index() : src.device().index());
+  // As on CUDA, a copy between two devices runs on the source device's current stream, so events
+  // there time it; a host copy runs on the neuron side's stream.
+  record_work(WorkKind::kCopy, handle, flags, {&src}, {&dst}, s ? src.device().index() : dst.device().index());
 }
 
 static void check_copy_devices(const Tensor& src, const Tensor& dst) {

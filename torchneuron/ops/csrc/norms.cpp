@@ -1,13 +1,18 @@
-// The statistics layer and batch norm return on neuron: CUDA's contract, not the CPU kernels'.
+// The statistics layer and batch norm return on neuron: CUDA's contract, the CPU's values.
 //
 // PyTorch's meta kernels (what torch.compile and adaptive eager mode trace with) follow CUDA for
 // every device but the CPU, whose kernels differ twice:
-// - half-precision (bfloat16/float16) data: the CPU rounds the saved mean and rstd/invstd to the
-//   data's dtype; CUDA computes and keeps them in float32;
+// - half-precision (bfloat16/float16) data: the CPU keeps the saved mean and rstd/invstd in the
+//   data's dtype; CUDA keeps them in float32;
 // - batch norm in eval mode: the CPU saves empty statistics; CUDA saves the running mean and
 //   1 / sqrt(running var + eps) it normalised with, in the compute dtype.
 // The device's fallback runs these ops' CPU kernels through `run_norm_as_cuda`, which adapts both,
-// so compiled graphs and adaptive eager programs hold the tensors eager mode makes.
+// so compiled graphs and adaptive eager programs hold the tensors eager mode makes. The values stay
+// the CPU kernel's: half-precision data is normalised by the CPU kernel itself (batch norm, and so
+// instance norm, normalises with its statistics rounded to the data's dtype; layer norm's backward
+// reads them so rounded), and only the statistics' dtype changes: float32 out of the forward ops, and
+// back to the dtype the CPU kernel saved them in when a backward op reads them (exact, as they hold
+// values of that dtype).
 #include "neuron.h"
 
 #include <ATen/OpMathType.h>
@@ -26,6 +31,7 @@ NormStatistics norm_statistics_of(const std::string& name) {
   } else if (name == "aten::native_layer_norm_backward") {
     norm.result_dtype_from = {1, 5, 6};    // grads of input, weight, bias
     norm.data_arg = 1;
+    norm.saved_statistics = {"mean", "rstd"};
   } else if (name == "aten::native_batch_norm" || name == "aten::_native_batch_norm_legit" ||
              name == "aten::_native_batch_norm_legit.no_stats" || name == "aten::_batch_norm_with_update") {
     norm.result_dtype_from = {0, -1, -1, -1};  // (out, save_mean, save_invstd[, reserve])
@@ -34,9 +40,14 @@ NormStatistics norm_statistics_of(const std::string& name) {
     norm.result_dtype_from = {0, -1, -1};
     norm.batch_norm_forward = true;
     norm.always_eval = true;
-  } else if (name == "aten::native_batch_norm_backward" || name == "aten::batch_norm_backward") {
+  } else if (name == "aten::native_batch_norm_backward") {
     norm.result_dtype_from = {1, 2, 2};    // grads of input, weight, bias (bias has weight's dtype)
     norm.data_arg = 1;
+    norm.saved_statistics = {"save_mean", "save_invstd"};
+  } else if (name == "aten::batch_norm_backward") {
+    norm.result_dtype_from = {1, 2, 2};
+    norm.data_arg = 1;
+    norm.saved_statistics = {"save_mean", "save_var"};
   }
   return norm;
 }
@@ -67,8 +78,6 @@ bool run_norm_as_cuda(const c10::OperatorHandle& op, const NormStatistics& norm,
   }
   if (!half && !eval) return false;
 
-  c10::SmallVector<c10::ScalarType, 12> dtypes(nargs, c10::kFloat);
-  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 2> running;  // (running statistic, its float32 copy)
   at::Tensor running_mean, running_var;
   double eps = 0;
   if (eval) {
@@ -79,26 +88,24 @@ bool run_norm_as_cuda(const c10::OperatorHandle& op, const NormStatistics& norm,
     if (var && var->isTensor()) running_var = var->toTensor();
     if (epsilon) eps = epsilon->toDouble();
   }
-  if (half) {  // float32 copies of the floating operands; running statistics are written back after
-    for (size_t i = 0; i < nargs; ++i) {
-      IValue& v = (*stack)[base + i];
-      if (!v.isTensor() || !v.toTensor().defined() || !v.toTensor().is_floating_point()) continue;
-      at::Tensor original = v.toTensor();
-      dtypes[i] = original.scalar_type();
-      at::Tensor copy = original.to(c10::kFloat);
-      if (norm.batch_norm_forward && !eval && !copy.is_same(original) &&
-          (args[i].name() == "running_mean" || args[i].name() == "running_var"))
-        running.emplace_back(original, copy);
-      v = IValue(std::move(copy));
+  if (half && !norm.saved_statistics.empty()) {  // float32 statistics -> the dtype the CPU kernel saves
+    IValue* weight = argument(schema, stack, base, "weight");
+    const c10::ScalarType saved = weight && weight->isTensor() && weight->toTensor().defined()
+                                      ? weight->toTensor().scalar_type()
+                                      : data_dtype;
+    for (const char* name : norm.saved_statistics) {
+      IValue* v = argument(schema, stack, base, name);
+      if (v && v->isTensor() && v->toTensor().defined() && v->toTensor().scalar_type() != saved)
+        *v = IValue(v->toTensor().to(saved));
     }
   }
   op.redispatchBoxed(cpu_keys, stack);
-  for (auto& [statistic, copy] : running) statistic.copy_(copy);
   const size_t rbase = stack->size() - nrets;
   for (size_t r = 0; half && r < nrets && r < norm.result_dtype_from.size(); ++r) {
     IValue& v = (*stack)[rbase + r];
-    const int8_t from = norm.result_dtype_from[r];
-    if (from >= 0 && v.isTensor() && v.toTensor().defined()) v = IValue(v.toTensor().to(dtypes[from]));
+    if (norm.result_dtype_from[r] < 0 && v.isTensor() && v.toTensor().defined() &&
+        is_half_precision(v.toTensor().scalar_type()))
+      v = IValue(v.toTensor().to(c10::kFloat));
   }
   if (eval && running_mean.defined() && running_var.defined() && nrets >= 3) {
     const c10::ScalarType compute = at::toOpMathType(data_dtype);

@@ -12,12 +12,13 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/utils/device_lazy_init.h>
 #include <torch/library.h>
 #include <array>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
-#include <unordered_set>
+#include <map>
 #include <vector>
 
 namespace torchneuron {
@@ -44,9 +45,10 @@ void configure_device_count(int64_t n) {
 DeviceIndex current_device() { return tl_device; }
 
 void check_device_index(DeviceIndex index) {
-  TORCH_CHECK_INDEX(index >= 0 && index < g_device_count, "Invalid device index neuron:", int(index),
-                    ": this process has ", int(g_device_count),
-                    " neuron device(s) (set TORCHNEURON_DEVICE_COUNT before importing torch to change it).");
+  // A RuntimeError, as CUDA raises for an ordinal past its devices.
+  TORCH_CHECK(index >= 0 && index < g_device_count, "Invalid device index neuron:", int(index),
+              ": device index is out of range, this process has ", int(g_device_count),
+              " neuron device(s) (set TORCHNEURON_DEVICE_COUNT before importing torch to change it).");
 }
 static DeviceIndex resolve(DeviceIndex index) { return index < 0 ? tl_device : index; }
 
@@ -139,6 +141,13 @@ struct NeuronGuard final : c10::impl::DeviceGuardImplInterface {
     worklog_control(WorkKind::kEventWait, stream.device_index(), stream.id(), ev->id);
   }
   bool queryEvent(void* /*event*/) const override { return true; }  // host work is already done
+  // torch.accelerator.get_device_capability: which dtypes tensors on the device can have and convert
+  // between. Every one: device memory is host memory, and ops the NeuronCore cannot compute in a
+  // dtype (float64, complex) run on the host (see ops/policy.py).
+  c10::DeviceCapability getDeviceCapability(Device d) const override {
+    check_device_index(resolve(d.index()));
+    return c10::DeviceCapability();
+  }
   void destroyEvent(void* event, const DeviceIndex) const noexcept override {
     delete static_cast<NeuronEvent*>(event);
   }
@@ -225,21 +234,31 @@ at::Generator engine_of(const std::optional<at::Generator>& gen, DeviceIndex ind
 // host allocator (torch.accelerator.empty_host_cache and host-memory stats reach it): nothing is
 // cached, and copies complete on the host before they return, so no block waits on a stream.
 // ---------------------------------------------------------------------------------------------
+// Blocks are kept by start address with their size: like cudaHostAlloc'ed memory, any address inside
+// a block is pinned (a storage over a slice of a pinned one, a tensor set_() onto it).
 static std::mutex g_pinned_mutex;
-static std::unordered_set<void*> g_pinned;
+static std::map<const char*, size_t> g_pinned;
 static void pinned_free(void* p) {
   {
     std::lock_guard<std::mutex> lock(g_pinned_mutex);
-    g_pinned.erase(p);
+    g_pinned.erase(static_cast<const char*>(p));
   }
   c10::free_cpu(p);
+}
+static bool is_pinned_address(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  auto it = g_pinned.upper_bound(c);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return c < it->first + it->second;
 }
 struct PinnedAllocator final : at::HostAllocator {
   c10::DataPtr allocate(size_t n) override {
     void* p = n ? c10::alloc_cpu(n) : nullptr;
     if (p) {
       std::lock_guard<std::mutex> lock(g_pinned_mutex);
-      g_pinned.insert(p);
+      g_pinned.emplace(static_cast<const char*>(p), n);
     }
     return {p, p, &pinned_free, Device(c10::DeviceType::CPU)};
   }
@@ -291,10 +310,7 @@ struct NeuronHooks final : at::PrivateUse1HooksInterface {
     return at::make_generator<NeuronGenerator>(i);
   }
   Device getDeviceFromPtr(void*) const override { return Device(kNeuron, tl_device); }
-  bool isPinnedPtr(const void* p) const override {
-    std::lock_guard<std::mutex> lock(g_pinned_mutex);
-    return g_pinned.count(const_cast<void*>(p)) > 0;
-  }
+  bool isPinnedPtr(const void* p) const override { return is_pinned_address(p); }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t new_bytes) const override {
     // Storage.resize_ on a neuron storage: reallocate from the device allocator and keep the bytes.
@@ -346,6 +362,10 @@ TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("device_count() -> int", [] { return static_cast<int64_t>(g_device_count); });
   m.def("current_stream_id(int device) -> int", &current_stream);
   m.def("current_device() -> int", [] { return static_cast<int64_t>(tl_device); });
+  // PyTorch calls torch.neuron._lazy_init again before the next use of the device from Python (a
+  // child forked after its parent initialised the device: see runtime/device.py).
+  m.def("require_device_init() -> ()",
+        [] { torch::utils::set_requires_device_init(c10::DeviceType::PrivateUse1, true); });
   m.def("set_device(int device) -> ()", [](int64_t d) {
     check_device_index(static_cast<DeviceIndex>(d));
     tl_device = static_cast<DeviceIndex>(d);

@@ -136,10 +136,11 @@ struct NormStatistics {
   int8_t data_arg = 0;                    // the argument holding the normalised data
   bool batch_norm_forward = false;
   bool always_eval = false;               // _native_batch_norm_legit_no_training
+  std::vector<const char*> saved_statistics;  // backward ops: the arguments holding saved statistics
 };
 NormStatistics norm_statistics_of(const std::string& op_name);
-// Runs the CPU kernel of a norm op (the dispatcher's `cpu_keys`) computing in float32 for half-precision
-// data and saving eval-mode batch norm's statistics; false (nothing run) when neither applies.
+// Runs the CPU kernel of a norm op (the dispatcher's `cpu_keys`) with CUDA's statistics: float32 for
+// half-precision data, and eval-mode batch norm's; false (nothing run) when neither applies.
 bool run_norm_as_cuda(const c10::OperatorHandle& op, const NormStatistics& norm, std::vector<c10::IValue>* stack,
                       c10::DispatchKeySet cpu_keys);
 
