@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve,ao]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
