@@ -179,3 +179,21 @@ def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
     assert analysis.top_ops.set_index("op")["engine"].to_dict() == {
         "c10d::all_reduce": "link", "fused_kernel_0": "vector", "c10d::all_gather": "link", "nki::my_kernel": "tensor"}
     assert "exposed_communication" in {f.key for f in analysis.findings}
+
+
+def test_explorer_accepts_the_directory_given_to_profile_dir_handler(tmp_path, capsys):
+    """profile_dir_handler(DIR) writes one DIR/<host>_<pid>_step<N>/ per cycle: the explorer takes DIR,
+    analyses the newest cycle and lists the others."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    x = torch.randn(32, 32, device="neuron")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1],
+                 schedule=schedule(wait=0, warmup=0, active=1, repeat=2),
+                 on_trace_ready=neuron_profiler.profile_dir_handler(str(tmp_path), worker_name="w")) as prof:
+        for _ in range(2):
+            (x @ x).sum().item()
+            prof.step()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w_step1", "w_step2"]
+    assert explorer([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "interrupted" not in out and "analysing the newest, w_step2" in out and "w_step1" in out
