@@ -23,3 +23,43 @@ def test_target_from_environment():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"TORCHNEURON_TARGET": "trn3", "TORCHNEURON_DEVICE_COUNT": "3", "PATH": ""})
     assert out.stdout.split() == ["trn3", "3"], out.stderr
+
+
+def test_python_dash_m_runs_the_same_command(capsys, monkeypatch):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["python -m torchneuron", "info"])
+    try:
+        runpy.run_module("torchneuron", run_name="__main__")
+    except SystemExit as done:
+        assert done.code == 0
+    else:
+        raise AssertionError("python -m torchneuron did not exit with the command's code")
+    assert "target: trn" in capsys.readouterr().out
+
+
+def _third_party_imports(folder: str) -> set[str]:
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "torchneuron"
+    files = [root / "cli.py", root / "__main__.py", *(root / folder).glob("*.py")]
+    names = set()
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("torch", "torchneuron")}
+
+
+def test_every_shipped_command_imports_only_declared_dependencies():
+    """A plain `pip install torchneuron` must run every command (explorer's pandas was test-only)."""
+    import pathlib
+    import re
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~\[ ]", d)[0].lower().replace("-", "_") for d in project["dependencies"]}
+    assert _third_party_imports("profiler") <= declared, _third_party_imports("profiler") - declared

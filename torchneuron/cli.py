@@ -52,11 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     info = sub.add_parser("info", help="print the target, devices, capacities and environment")
     info.set_defaults(func=_info)
-    for name, module_name in SUBCOMMANDS.items():
-        try:
-            module = __import__(module_name, fromlist=["add_arguments"])
-        except ImportError:
-            continue
+    for name, module_name in SUBCOMMANDS.items():  # a command that cannot import is a broken install: raise
+        module = __import__(module_name, fromlist=["add_arguments"])
         sp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         module.add_arguments(sp)
         sp.set_defaults(func=module.run)

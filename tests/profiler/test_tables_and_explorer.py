@@ -2,6 +2,7 @@
 bottlenecks are found, damaged directories are reported and still analysed."""
 import json
 import os
+import re
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -13,6 +14,7 @@ import torchneuron.profiler as neuron_profiler
 from torchneuron.profiler.analysis import analyse
 from torchneuron.profiler.capture import DeviceCapture
 from torchneuron.profiler.explorer_cli import main as explorer
+from torchneuron.profiler.report_html import render_html
 from torchneuron.profiler.report_text import render
 from torchneuron.profiler.tables import SCHEMA, read_profile
 
@@ -179,3 +181,62 @@ def test_charged_kernels_fill_the_nki_dma_and_collective_tables(tmp_path):
     assert analysis.top_ops.set_index("op")["engine"].to_dict() == {
         "c10d::all_reduce": "link", "fused_kernel_0": "vector", "c10d::all_gather": "link", "nki::my_kernel": "tensor"}
     assert "exposed_communication" in {f.key for f in analysis.findings}
+
+
+def test_explorer_accepts_the_directory_given_to_profile_dir_handler(tmp_path, capsys):
+    """profile_dir_handler(DIR) writes one DIR/<host>_<pid>_step<N>/ per cycle: the explorer takes DIR,
+    analyses the newest cycle and lists the others."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    x = torch.randn(32, 32, device="neuron")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1],
+                 schedule=schedule(wait=0, warmup=0, active=1, repeat=2),
+                 on_trace_ready=neuron_profiler.profile_dir_handler(str(tmp_path), worker_name="w")) as prof:
+        for _ in range(2):
+            (x @ x).sum().item()
+            prof.step()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w_step1", "w_step2"]
+    assert explorer([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "interrupted" not in out and "analysing the newest, w_step2" in out and "w_step1" in out
+
+
+def test_report_headers_name_quantities_and_cells_carry_units(planted):
+    """HTML and text tables share analysis.COLUMNS: 'device time' headers, '1.89 ms'-style cells, never
+    a raw column name such as device_us over a value in ms."""
+    prof, path = planted
+    profile = read_profile(path)
+    page = render_html(analyse(profile), profile)
+    headers = set(re.findall(r"<th>([^<]*)</th>", page))
+    assert "device time" in headers and not any(h.endswith("_us") or h == "count" for h in headers)
+    cells = re.findall(r"<td>([^<]*)</td>", page)
+    assert any(re.fullmatch(r"[\d.]+ (us|ms|s)", c) for c in cells)
+
+
+def test_no_finding_without_device_time(planted):
+    _, path = planted
+    profile = read_profile(path)
+    events = profile.tables["events"]
+    free = events[events["fallback"]].head(1).assign(op="aten::free_op", name="aten::free_op", duration_us=0.0,
+                                                    launch_us=0.0, host_fallback_us=0.0)
+    profile.tables["events"] = pd.concat([events, free], ignore_index=True)
+    findings = analyse(profile).findings
+    assert findings and all(f.time_us > 0 for f in findings)
+    assert not any("free_op" in f.title for f in findings)
+
+
+def test_advice_already_followed_is_not_given(planted):
+    """The launch / memory / matmul suggestions drop what the profiled code already does."""
+    from torchneuron.profiler.analysis import _advice, _practices
+
+    _, path = planted
+    events = read_profile(path).tables["events"]
+    assert "foreach" not in _practices(events)
+    foreach = events.head(1).assign(name="aten::_foreach_add_.List", op="aten::_foreach_add_", kind="op")
+    done = _practices(pd.concat([events, foreach], ignore_index=True))
+    assert "foreach" in done
+    advice = (("foreach", "use foreach"), (None, "use larger batches"))
+    assert _advice(*advice, done=done) == "use larger batches"
+    assert _advice(*advice, done=set()) == "use foreach; use larger batches"
+    low = events.assign(dtype="bf16")
+    assert "low_precision" in _practices(low) and "low_precision" not in _practices(events)

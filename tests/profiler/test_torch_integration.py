@@ -1,6 +1,7 @@
 """torch.profiler itself reports neuron device activity: key_averages, events, the Chrome trace,
 schedules, on_trace_ready, interruption, and profiles without neuron work."""
 import gzip
+import warnings
 import json
 
 import pytest
@@ -131,3 +132,43 @@ def test_acc_events_keeps_every_cycle():
     assert outputs == ["f32[1]", "f32[2]"]
     rows = {r.key: r for r in prof.key_averages()}
     assert rows["aten::add_"].count == 2 and rows["aten::add_"].self_device_time_total > 0
+
+
+def _assert_times_are_sane(events) -> None:
+    for e in events:
+        assert e.cpu_time_total >= 0 and e.self_cpu_time_total >= 0, (e.key, e.cpu_time_total, e.self_cpu_time_total)
+        assert e.device_time_total >= 0 and e.self_device_time_total >= 0, e.key
+
+
+def test_legacy_profiler_with_use_device_neuron_times_ops_on_the_device():
+    """torch.autograd.profiler.profile(use_device="neuron") (PyTorch's PrivateUse1 fallback state, as
+    its backend tests use it): registered profiler stubs time each op on the modeled device timeline."""
+    x = torch.randn(128, 128, device="neuron")
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    start.record()
+    torch.mm(x, x)
+    end.record()
+    end.synchronize()
+    modeled_us = start.elapsed_time(end) * 1e3
+    with torch.autograd.profiler.profile(use_device="neuron") as prof:
+        torch.mm(x, x).relu().sum().item()
+    averages = prof.key_averages()
+    _assert_times_are_sane(averages)
+    _assert_times_are_sane(prof.function_events)
+    mm = next(e for e in averages if e.key == "aten::mm")
+    assert mm.device_time_total > 0  # whole microseconds: the legacy profiler keeps integer us
+    assert mm.device_time_total == pytest.approx(modeled_us, abs=1.0)
+    assert mm.cpu_time_total > 0 and prof.function_events.total_average().self_cpu_time_total > 0
+    assert "NEURON" in averages.table(sort_by="self_cpu_time_total").upper()
+
+
+def test_privateuse1_activity_alone_and_with_cpu_give_sane_times():
+    x = torch.randn(64, 64, device="neuron")
+    for activities in ([ProfilerActivity.PrivateUse1], [ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with profile(activities=activities) as prof:
+                (x @ x).sum().item()
+        averages = prof.key_averages()
+        _assert_times_are_sane(averages)
+        assert sum(e.self_device_time_total for e in averages) > 0

@@ -90,6 +90,58 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def format_cell(kind: str, value: Any) -> str:
+    """One ranking cell as shown: `kind` is time (a *_us column: the unit goes with the value), count,
+    share or text."""
+    if kind == "time":
+        return _fmt_us(float(value))
+    if kind == "count":
+        return str(int(value))
+    if kind == "share":
+        return f"{float(value):.1%}"
+    return str(value)
+
+
+# What each ranking of an Analysis shows, in every renderer: (header, column, kind of cell). Headers name
+# the quantity, never the column: a *_us column's cells carry their own unit ("1.89 ms").
+COLUMNS: dict[str, list[tuple[str, str, str]]] = {
+    "top_ops": [("op", "op", "text"), ("calls", "count", "count"), ("device time", "device_us", "time"),
+                ("share", "share", "share"), ("engine", "engine", "text"), ("bound", "bound", "text"),
+                ("fallbacks", "fallbacks", "count")],
+    "top_sources": [("source", "source", "text"), ("events", "count", "count"), ("device time", "device_us", "time"),
+                    ("share", "share", "share"), ("top op", "top_op", "text")],
+    "top_modules": [("module", "module", "text"), ("events", "count", "count"), ("device time", "device_us", "time"),
+                    ("forward", "forward_us", "time"), ("backward", "backward_us", "time"),
+                    ("share", "share", "share")],
+    "engines": [("engine", "engine", "text"), ("kernels", "kernels", "count"), ("busy", "busy_us", "time"),
+                ("utilisation", "utilisation", "share")],
+    "bounds": [("bound", "bound", "text"), ("kernels", "kernels", "count"), ("device time", "device_us", "time"),
+               ("share", "share", "share")],
+}
+
+
+def _practices(ev: pd.DataFrame) -> set[str]:
+    """What the profiled code already does, so findings do not advise it: foreach (foreach or fused
+    optimizer/list ops ran), compiled (compiled graphs or fused kernels ran), low_precision (every
+    floating-point kernel worked in bf16/fp16/fp8)."""
+    done = set()
+    names = ev["name"].astype(str)
+    if names.str.contains("::_foreach_|::_fused_", regex=True).any():
+        done.add("foreach")
+    if ev["kind"].astype(str).isin(["graph", "fused"]).any():
+        done.add("compiled")
+    dtypes = set(ev.loc[ev["kind"].astype(str) != "copy", "dtype"].astype(str)) - {"", "None", "nan"}
+    floats = {d for d in dtypes if d.startswith(("f", "bf"))}
+    if floats and all(d in ("bf16", "f16") or d.startswith("f8") for d in floats):
+        done.add("low_precision")
+    return done
+
+
+def _advice(*parts: tuple[str | None, str], done: set[str]) -> str:
+    """The suggestion parts whose practice (None: always relevant) the code does not follow yet."""
+    return "; ".join(text for practice, text in parts if practice is None or practice not in done)
+
+
 def _top_where(df: pd.DataFrame, n: int = 3) -> list[str]:
     by = df.assign(_src=_sources(df)).groupby("_src", observed=True)["duration_us"].agg(["sum", "count"])
     by = by.sort_values("sum", ascending=False).head(n)
@@ -230,7 +282,8 @@ def _unfused(a: Analysis, ev: pd.DataFrame, total: float, launch_us: float) -> N
         "adaptive eager mode); or write the chain as one NKI kernel", where))
 
 
-def _memory_bound(a: Analysis, kernels: pd.DataFrame, summary: pd.DataFrame, total: float) -> None:
+def _memory_bound(a: Analysis, kernels: pd.DataFrame, summary: pd.DataFrame, total: float,
+                  done: set[str]) -> None:
     mem = kernels[(kernels["bound"] == "memory") & (kernels["kind"] != "copy")]
     t = float(mem["total_us"].sum())
     if not len(mem) or t / total < MEMORY_BOUND_SHARE:
@@ -246,11 +299,14 @@ def _memory_bound(a: Analysis, kernels: pd.DataFrame, summary: pd.DataFrame, tot
         "memory_bound", f"Memory-bound kernels: {_fmt_us(t)} ({t / total:.1%})", t, t / total,
         f"{len(mem)} kernels are limited by HBM bandwidth ({bw / 1e9:.0f} GB/s per core): their arithmetic "
         f"intensity is below the ridge point of {ridge:.0f} FLOP/B (BF16), so the engines wait for data.",
-        "raise arithmetic intensity: fuse producers with consumers (torch.compile backend='neuron') so "
-        "intermediates stay in SBUF, use bfloat16 to halve the bytes, batch small tensors together", where))
+        "raise arithmetic intensity: " + _advice(
+            ("compiled", "fuse producers with consumers (torch.compile backend='neuron') so intermediates stay "
+                         "in SBUF"),
+            ("low_precision", "use bfloat16 to halve the bytes"), (None, "batch small tensors together"),
+            done=done), where))
 
 
-def _launch(a: Analysis, ev: pd.DataFrame, total: float) -> None:
+def _launch(a: Analysis, ev: pd.DataFrame, total: float, done: set[str]) -> None:
     launch = float(ev["launch_us"].sum())
     if launch / total < LAUNCH_SHARE:
         return
@@ -260,8 +316,10 @@ def _launch(a: Analysis, ev: pd.DataFrame, total: float) -> None:
         "launch_overhead", f"Launch overhead: {launch / total:.1%} of device time", launch, launch / total,
         f"{n} eager kernels with a mean duration of {_fmt_us(mean)} each pay the modeled launch cost "
         f"({_fmt_us(launch / max(n, 1))}): {_fmt_us(launch)} in total.",
-        "dispatch fewer, larger kernels: torch.compile(model, backend='neuron') turns the step into a few "
-        "fused kernels; use larger batches; use foreach/fused optimizers (AdamW(foreach=True) or fused=True)",
+        "dispatch fewer, larger kernels: " + _advice(
+            ("compiled", "torch.compile(model, backend='neuron') turns the step into a few fused kernels"),
+            (None, "use larger batches"),
+            ("foreach", "use foreach/fused optimizers (AdamW(foreach=True) or fused=True)"), done=done),
         _top_where(ev[ev["launch_us"] > 0])))
 
 
@@ -304,7 +362,7 @@ def _exposed(a: Analysis, tables: dict, total: float) -> None:
         _top_where(coll.rename(columns={"event_id": "id"}))))
 
 
-def _matmuls(a: Analysis, kernels: pd.DataFrame, total: float) -> None:
+def _matmuls(a: Analysis, kernels: pd.DataFrame, total: float, done: set[str]) -> None:
     mm = kernels[(kernels["category"] == "matmul") & (kernels["peak_flops_per_s"] > 0)]
     weak = mm[(mm["achieved_flops_per_s"] / mm["peak_flops_per_s"] < MATMUL_EFFICIENCY)]
     t = float(weak["total_us"].sum())
@@ -317,8 +375,9 @@ def _matmuls(a: Analysis, kernels: pd.DataFrame, total: float) -> None:
         f"{len(weak)} matmul kernels ({_fmt_us(t)}) reach less than {MATMUL_EFFICIENCY:.0%} of peak: small "
         "shapes are dominated by fixed costs, and dimensions that are not multiples of 128 waste passes of "
         "the 128x128 array.",
-        "give the Tensor engine bigger tiles: larger batch or sequence length, hidden sizes that are multiples "
-        "of 128, bfloat16 operands (4x the FP32 rate)", where))
+        "give the Tensor engine bigger tiles: " + _advice(
+            (None, "larger batch or sequence length"), (None, "hidden sizes that are multiples of 128"),
+            ("low_precision", "bfloat16 operands (4x the FP32 rate)"), done=done), where))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -358,14 +417,16 @@ def analyse(profile: Profile, top: int = 10) -> Analysis:
     _fallbacks(a, ev, total)
     _copies(a, ev, total)
     _unfused(a, ev, total, launch)
-    _launch(a, ev, total)
+    done = _practices(ev)
+    _launch(a, ev, total, done)
     _idle(a, ev)
     _exposed(a, tables, total)
     kernels = tables.get("kernels")
     if kernels is not None and len(kernels) and summary is not None and len(summary):
-        _memory_bound(a, kernels, summary, total)
-        _matmuls(a, kernels, total)
+        _memory_bound(a, kernels, summary, total, done)
+        _matmuls(a, kernels, total, done)
     else:
         a.problems.append("kernels or summary table unreadable: memory-bound and matmul checks skipped")
-    a.findings.sort(key=lambda f: -f.time_us)
+    # a finding is about device time: one that costs none (a fallback of a 0-us op) is not a bottleneck
+    a.findings = sorted((f for f in a.findings if f.time_us > 0), key=lambda f: -f.time_us)
     return a

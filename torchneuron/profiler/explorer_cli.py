@@ -2,13 +2,15 @@
 
     torchneuron explorer PROFILE_DIR [--top N] [--html REPORT.html]
 
-PROFILE_DIR is a directory written by `torchneuron.profiler.export_profile(prof, DIR)` (or the
-`profile_dir_handler` on_trace_ready handler). This module owns the command's arguments and
+PROFILE_DIR is a directory written by `torchneuron.profiler.export_profile(prof, DIR)`, or the
+directory given to the `profile_dir_handler(DIR)` on_trace_ready handler: then the newest of the
+cycles it wrote (DIR/<host>_<pid>_step<N>/) is analysed and the others are listed. This module owns the command's arguments and
 exit codes: 0 analysed (possibly with notes on damaged parts), 2 nothing readable.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -24,21 +26,29 @@ def run(args: argparse.Namespace) -> int:
 
     from torchneuron.profiler.analysis import analyse
     from torchneuron.profiler.report_text import render
-    from torchneuron.profiler.tables import ProfileError, read_profile
+    from torchneuron.profiler.tables import ProfileError, profile_runs, read_profile
 
     console = Console()
+    path = args.profile_dir
+    runs = profile_runs(path)
+    if runs:
+        path = runs[-1]
+        console.print(f"{args.profile_dir} holds {len(runs)} profiles (one per profiling cycle); analysing the "
+                      f"newest, {os.path.basename(path)}", highlight=False, soft_wrap=True)
+        for run in runs[:-1]:
+            console.print(f"  also: {run}", highlight=False, soft_wrap=True)
     try:
-        profile = read_profile(args.profile_dir)
+        profile = read_profile(path)
     except ProfileError as e:
         console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         return 2
     analysis = analyse(profile, top=args.top)
-    render(analysis, console, path=args.profile_dir)
+    render(analysis, console, path=path)
     if args.html:
         from torchneuron.profiler.report_html import render_html
 
         with open(args.html, "w", encoding="utf-8") as f:
-            f.write(render_html(analysis, profile, title=f"neuron profile: {args.profile_dir}"))
+            f.write(render_html(analysis, profile, title=f"neuron profile: {path}"))
         console.print(f"\nHTML report written to {args.html}")
     return 0
 

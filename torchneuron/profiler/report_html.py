@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from torchneuron.profiler.analysis import Analysis, _fmt_bytes, _fmt_us
+from torchneuron.profiler.analysis import COLUMNS, Analysis, _fmt_bytes, _fmt_us, format_cell
 from torchneuron.profiler.tables import Profile
 
 MAX_TIMELINE_EVENTS = 4000
@@ -115,20 +115,20 @@ def _roofline(kernels: pd.DataFrame | None, summary: pd.DataFrame | None, size: 
             f"<p>{legend}; HBM {bw / 1e9:.0f} GB/s</p>")
 
 
-def _html_table(df: pd.DataFrame | None, formats: dict[str, Any]) -> str:
+def _html_table(df: pd.DataFrame | None, columns: list[tuple[str, str, str]]) -> str:
+    """columns: (header, dataframe column, kind of cell), as in analysis.COLUMNS."""
     if df is None or not len(df):
         return "<p>No data.</p>"
-    cols = [c for c in formats if c in df.columns]
-    head = "".join(f"<th>{_e(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_e(formats[c](row[c]))}</td>" for c in cols) + "</tr>"
-                   for _, row in df.iterrows())
+    columns = [c for c in columns if c[1] in df.columns]
+    head = "".join(f"<th>{_e(header)}</th>" for header, _, _ in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_e(format_cell(kind, row[col]))}</td>" for _, col, kind in columns)
+                   + "</tr>" for _, row in df.iterrows())
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def render_html(analysis: Analysis, profile: Profile, title: str = "neuron profile") -> str:
     """The whole report as one HTML string."""
     o = analysis.overview
-    s, n, pct = str, (lambda x: str(int(x))), (lambda x: f"{x:.1%}")
     findings = "".join(
         f"<div class='finding'><h3>{i}. {_e(f.title)} <span class='dim'>{_e(_fmt_us(f.time_us))}, "
         f"{f.share:.1%}</span></h3><p>{_e(f.detail)}</p>"
@@ -154,12 +154,8 @@ target; host times are wall time of this machine.</p>{overview}{problems}
 <h2>Device timeline</h2>{_timeline(profile.tables.get("events"))}
 <h2>Device time per op</h2>{_bars(analysis.top_ops, "op", "device_us")}
 <h2>Roofline</h2>{_roofline(profile.tables.get("kernels"), profile.tables.get("summary"))}
-<h2>Top source lines</h2>{_html_table(analysis.top_sources, {"source": s, "count": n, "device_us": _fmt_us,
-                                                            "share": pct, "top_op": s})}
-<h2>Top modules</h2>{_html_table(analysis.top_modules, {"module": s, "count": n, "device_us": _fmt_us,
-                                                       "forward_us": _fmt_us, "backward_us": _fmt_us, "share": pct})}
-<h2>Engine utilisation</h2>{_html_table(analysis.engines, {"engine": s, "kernels": n, "busy_us": _fmt_us,
-                                                          "utilisation": pct})}
-<h2>Compute- vs memory-bound</h2>{_html_table(analysis.bounds, {"bound": s, "kernels": n, "device_us": _fmt_us,
-                                                               "share": pct})}
+<h2>Top source lines</h2>{_html_table(analysis.top_sources, COLUMNS["top_sources"])}
+<h2>Top modules</h2>{_html_table(analysis.top_modules, COLUMNS["top_modules"])}
+<h2>Engine utilisation</h2>{_html_table(analysis.engines, COLUMNS["engines"])}
+<h2>Compute- vs memory-bound</h2>{_html_table(analysis.bounds, COLUMNS["bounds"])}
 </body></html>"""

@@ -12,24 +12,19 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from torchneuron.profiler.analysis import Analysis, _fmt_bytes, _fmt_us
+from torchneuron.profiler.analysis import COLUMNS, Analysis, _fmt_bytes, _fmt_us, format_cell
 
 
-def _table(title: str, df: pd.DataFrame | None, columns: list[tuple[str, str, Any]]) -> Table | None:
-    """columns: (header, dataframe column, formatter)."""
+def _table(title: str, df: pd.DataFrame | None, columns: list[tuple[str, str, str]]) -> Table | None:
+    """columns: (header, dataframe column, kind of cell), as in analysis.COLUMNS."""
     if df is None or not len(df):
         return None
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for header, col, _ in columns:
-        table.add_column(header, justify="left" if col in ("op", "source", "module", "engine", "bound", "top_op")
-                         else "right", overflow="fold")
+    for header, _, kind in columns:
+        table.add_column(header, justify="left" if kind == "text" else "right", overflow="fold")
     for _, row in df.iterrows():
-        table.add_row(*[fmt(row[col]) if col in row else "" for _, col, fmt in columns])
+        table.add_row(*[format_cell(kind, row[col]) if col in row else "" for _, col, kind in columns])
     return table
-
-
-def _pct(x: float) -> str:
-    return f"{x:.1%}"
 
 
 def render(analysis: Analysis, console: Console | None = None, path: str = "") -> None:
@@ -56,24 +51,11 @@ def render(analysis: Analysis, console: Console | None = None, path: str = "") -
             console.print(f"   [green]suggestion:[/green] {f.suggestion}", highlight=False)
     elif analysis.top_ops is not None:
         console.print("[green]No bottleneck found by the checks.[/green]")
-    us, n, s = _fmt_us, (lambda x: str(int(x))), str
-    for table in (
-        _table("Top ops by device time", analysis.top_ops,
-               [("op", "op", s), ("calls", "count", n), ("device time", "device_us", us), ("share", "share", _pct),
-                ("engine", "engine", s), ("bound", "bound", s), ("fallbacks", "fallbacks", n)]),
-        _table("Top source lines by device time", analysis.top_sources,
-               [("source", "source", s), ("events", "count", n), ("device time", "device_us", us),
-                ("share", "share", _pct), ("top op", "top_op", s)]),
-        _table("Top modules by device time", analysis.top_modules,
-               [("module", "module", s), ("events", "count", n), ("device time", "device_us", us),
-                ("forward", "forward_us", us), ("backward", "backward_us", us), ("share", "share", _pct)]),
-        _table("Engine utilisation (busy / span)", analysis.engines,
-               [("engine", "engine", s), ("kernels", "kernels", n), ("busy", "busy_us", us),
-                ("utilisation", "utilisation", _pct)]),
-        _table("Compute- vs memory-bound", analysis.bounds,
-               [("bound", "bound", s), ("kernels", "kernels", n), ("device time", "device_us", us),
-                ("share", "share", _pct)]),
-    ):
+    titles = {"top_ops": "Top ops by device time", "top_sources": "Top source lines by device time",
+              "top_modules": "Top modules by device time", "engines": "Engine utilisation (busy / span)",
+              "bounds": "Compute- vs memory-bound"}
+    for name, title in titles.items():
+        table = _table(title, getattr(analysis, name), COLUMNS[name])
         if table is not None:
             console.print()
             console.print(table)

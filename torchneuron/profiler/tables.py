@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -458,6 +459,25 @@ class Profile:
 
     def has(self, name: str) -> bool:
         return name in self.tables and len(self.tables[name]) > 0
+
+
+def _is_profile_dir(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "manifest.json")) or any(
+        os.path.exists(os.path.join(path, f"{name}.parquet")) for name in SCHEMA)
+
+
+def profile_runs(path: str) -> list[str]:
+    """The profile directories directly inside `path`, oldest first: `profile_dir_handler(path)` writes
+    one per profiling cycle (`<host>_<pid>_step<N>`). Empty if `path` is itself a profile directory."""
+    if not os.path.isdir(path) or _is_profile_dir(path):
+        return []
+    runs = [os.path.join(path, entry) for entry in os.listdir(path)]
+    runs = [run for run in runs if os.path.isdir(run) and _is_profile_dir(run)]
+
+    def age(run: str) -> tuple[float, int, str]:
+        step = re.search(r"_step(\d+)$", run)
+        return os.path.getmtime(run), int(step.group(1)) if step else -1, run
+    return sorted(runs, key=age)
 
 
 def read_profile(path: str) -> Profile:
