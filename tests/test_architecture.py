@@ -8,9 +8,11 @@ is still a dependency); imports under `if TYPE_CHECKING:` count for the floors b
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "torchneuron"
@@ -36,6 +38,7 @@ def _module_name(path: Path) -> str:
 
 
 _PATHS: dict[str, Path] = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+_EXTENSIONS = {_module_name(p.with_name(p.name.split(".")[0] + ".so")) for p in PACKAGE.rglob("*.so")}  # _C
 
 
 def _path(module: str) -> str:
@@ -90,10 +93,12 @@ def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -
     else:
         origin = node.module or ""
     # `from pkg import name` imports the module pkg.name when there is one, else pkg
-    return [f"{origin}.{a.name}" if f"{origin}.{a.name}" in _PATHS else origin for a in node.names]
+    return [f"{origin}.{a.name}" if f"{origin}.{a.name}" in _PATHS or f"{origin}.{a.name}" in _EXTENSIONS else origin
+            for a in node.names]
 
 
-def package_imports() -> list[Import]:
+@functools.cache
+def package_imports() -> tuple[Import, ...]:
     found: dict[Import, None] = {}  # in order, without repeats
     for module, path in sorted(_PATHS.items()):
         tree = ast.parse(path.read_text(), str(path))
@@ -104,15 +109,17 @@ def package_imports() -> list[Import]:
             for target in _resolve(module, path.name == "__init__.py", node):
                 if target != "torchneuron" and not target.startswith("torchneuron."):
                     continue
+                if target in _EXTENSIONS:  # a compiled module imports nothing of the package
+                    continue
                 while target not in _PATHS and "." in target:  # an attribute of a module
                     target = target.rsplit(".", 1)[0]
                 imp = Import(module, target, node.lineno, id(node) in typing_only)
                 if target != module:
                     found[imp] = None
-    return list(found)
+    return tuple(found)
 
 
-def upward_imports(imports: list[Import], table: list[list[str]]) -> list[str]:
+def upward_imports(imports: Sequence[Import], table: list[list[str]]) -> list[str]:
     problems = []
     names = {height: ", ".join(f"`{p}`" for p in table[len(table) - 1 - height]) for height in range(len(table))}
     for imp in imports:
@@ -125,7 +132,7 @@ def upward_imports(imports: list[Import], table: list[list[str]]) -> list[str]:
     return problems
 
 
-def cycles(imports: list[Import]) -> list[list[Import]]:
+def cycles(imports: Sequence[Import]) -> list[list[Import]]:
     """One circle of imports per strongly connected group of modules (runtime imports only)."""
     graph: dict[str, list[Import]] = {}
     for imp in imports:

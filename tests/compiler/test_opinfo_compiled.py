@@ -190,7 +190,7 @@ GRAD = """add mul exp sum mm addmm softmax nn.functional.layer_norm nn.functiona
 # tensors in a process without torchneuron).
 NEURON_BUGS: dict[str, str] = {}
 # (Batch norm in eval mode and half-precision layer and batch norm were here until the device saved
-# CUDA's statistics, which the meta kernels and Inductor's decompositions describe: runtime/csrc/norms.cpp.)
+# CUDA's statistics, which the meta kernels and Inductor's decompositions describe: ops/csrc/norms.cpp.)
 # Failures Inductor has on the CPU too, with bit-identical results (not neuron's).
 UPSTREAM_LIMITATIONS = {
     # Inductor's decompositions round bf16 intermediates that the eager kernels keep in float32.

@@ -12,7 +12,7 @@ reductions, norms; torchneuron/compiler/eager_numerics.py). Reading data on the 
 first, and so do `flush()` and the device timeline's readers. Off under
 `torch.use_deterministic_algorithms(True)`.
 
-The queue is C++, inside the device's fallback (runtime/csrc/queue.cpp: about a microsecond
+The queue is C++, inside the device's fallback (eager/csrc/queue.cpp: about a microsecond
 per op); queue.py and fusion.py are its Python side, called once per new op and once per new
 sequence of queued ops. The mode is on for the thread that enables it (the thread autograd's
 backward runs on, as the runtime keeps autograd single-threaded). Fused kernels are compiled by

@@ -18,7 +18,7 @@ immediately, without a flush, unless it draws random numbers.
 
 `FUSIBLE` ops are queued ops a fused kernel may contain (the rest of the queued ops run one
 by one at flush). How a queued op's outputs are shaped is learnt by the C++ queue, per op and
-argument signature, from the first call (runtime/csrc/queue.cpp).
+argument signature, from the first call (eager/csrc/queue.cpp).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Python side of adaptive eager mode's op queue.
 
-The queue itself is C++ (`runtime/csrc/queue.cpp`, inside the device's boxed fallback): it
+The queue itself is C++ (`eager/csrc/queue.cpp`, inside the device's boxed fallback): it
 queues ops, learns their output shapes, tracks where each argument comes from, and replays a
 queue it has seen before from a cached plan. It calls Python for two things:
 
