@@ -128,6 +128,10 @@ class Settings:
     profiler_max_events: int = variable(
         "TORCHNEURON_PROFILER_MAX_EVENTS", 1_000_000,
         "most device events one profile keeps (default 1,000,000; the rest are counted)")
+    serving_timing_dir: str | None = variable(
+        "TORCHNEURON_SERVING_TIMING_DIR", None,
+        "directory where vLLM's neuron worker writes each request's modeled time (`torchneuron serve` sets it; "
+        "set it for offline `LLM` runs to keep them)")
     platform_target_override: str | None = variable(
         "NEURON_PLATFORM_TARGET_OVERRIDE", None,
         "NKI's own target override, honoured when `TORCHNEURON_TARGET` is unset")

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Sequence
 
+from torchneuron import settings
 from torchneuron.serving.llm.timing import ENV, TimingReader
 
 TARGETS = ("trn1", "trn2", "trn3")
@@ -95,7 +96,7 @@ class ModeledTimeMiddleware:
 
     def __init__(self, app: Callable) -> None:
         self.app = app
-        directory = os.environ.get(ENV)
+        directory = settings.current().serving_timing_dir
         self.reader = TimingReader(directory) if directory else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchneuron import settings
 from torchneuron.hardware import get_target
 from torchneuron.hardware import timeline as device_timeline
 
@@ -63,7 +64,7 @@ class StepTimer:
     _open: tuple[float, list[str]] | None = None
 
     def __post_init__(self) -> None:
-        directory = os.environ.get(ENV)
+        directory = settings.current().serving_timing_dir
         driver = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         if directory and os.path.isdir(directory) and driver:
             self._file = open(os.path.join(directory, FILE), "a", buffering=1)
