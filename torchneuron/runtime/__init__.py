@@ -40,10 +40,11 @@ def register() -> None:
     torch._register_device_module("neuron", neuron_module)
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    from torchneuron.ops import policy, printing
+    from torchneuron.ops import conv_layout, policy, printing
     from torchneuron.runtime import memory, worklog
 
     policy.install()
+    conv_layout.install()
     printing.install()
     worklog.install()
     memory.configure_capacity()
