@@ -1,6 +1,6 @@
 """Runs PyTorch's OpInfo database on neuron and compares every sample with the CPU.
 
-For each OpInfo and dtype (float32, bfloat16), up to MAX_SAMPLES sample inputs run on the CPU
+For each OpInfo and dtype (float32, bfloat16, float16), up to MAX_SAMPLES sample inputs run on the CPU
 and on neuron, forward and (where the op supports autograd) backward; results must match within
 the dtype's tolerance. Samples the CPU itself cannot compute are counted apart, not as passes. Random ops are compared in shape/dtype only (the same seed
 gives the same numbers only for generator-driven ops). Run as a script for a report:
@@ -51,6 +51,7 @@ class SweepResult:
     samples_failed: int = 0
     samples_without_reference: int = 0
     keys: list[str] = field(default_factory=list)  # the "op.variant/dtype" entries run, in order
+    unreferenced: set[str] = field(default_factory=set)  # entries none of whose samples the CPU computes
     failures: dict[str, str] = field(default_factory=dict)  # "op.variant/dtype" -> first error
 
     @property
@@ -71,6 +72,7 @@ class SweepResult:
             result.samples_failed += part.samples_failed
             result.samples_without_reference += part.samples_without_reference
             result.keys.extend(part.keys)
+            result.unreferenced |= part.unreferenced
             result.failures.update(part.failures)
         return result
 
@@ -100,10 +102,19 @@ def _to_neuron(x):
     return dev.detach().requires_grad_(x.requires_grad)
 
 
-def device_sample(sample):
-    """The sample with its tensors on neuron (_to_neuron) and a `device="cpu"` argument of a factory
-    (arange, full, randn, ...) made `device="neuron"`: the device call must make neuron tensors."""
+# Tensor arguments PyTorch requires on the CPU on every device (CUDA raises for them too): op name ->
+# position in the sample's args, kept on the CPU by device_sample.
+CPU_ARGUMENTS = {"tensor_split": 0}  # tensor_indices_or_sections
+
+
+def device_sample(sample, op=None):
+    """The sample with its tensors on neuron (_to_neuron) but the CPU_ARGUMENTS of `op`, and a
+    `device="cpu"` argument of a factory (arange, full, randn, ...) made `device="neuron"`: the
+    device call must make neuron tensors."""
     dev = sample.transform(_to_neuron)
+    keep = CPU_ARGUMENTS.get(getattr(op, "name", None))
+    if keep is not None and keep < len(sample.args):
+        dev.args = (*dev.args[:keep], sample.args[keep], *dev.args[keep + 1:])
     device = dev.kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
         dev.kwargs = {**dev.kwargs, "device": torch.device("neuron")}
@@ -158,9 +169,14 @@ def assert_matches_cpu(op, actual, expected, dtype: torch.dtype, exact=None, **t
 
 
 def check_sample(op, sample, dtype: torch.dtype, grad: bool) -> None:
-    dev = device_sample(sample)
+    dev = device_sample(sample, op)
     torch.manual_seed(0)
-    expected = op(sample.input, *sample.args, **sample.kwargs)
+    try:
+        expected = op(sample.input, *sample.args, **sample.kwargs)
+    except _Timeout:
+        raise
+    except Exception as e:  # noqa: BLE001 - the CPU cannot compute it (jiterator ops are CUDA-only)
+        raise ReferenceUnavailable(f"the CPU raises {type(e).__name__}: {e}") from e
     torch.manual_seed(0)
     actual = op(dev.input, *dev.args, **dev.kwargs)
     expected_out = sample.output_process_fn_grad(expected)
@@ -246,10 +262,12 @@ def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None,
             result.keys.append(key)
             signal.alarm(per_op_seconds)
             try:
+                checked = 0
                 samples = samples_of(op, dtype, grad)
                 for n, sample in enumerate(samples):
                     if n >= MAX_SAMPLES:
                         break
+                    checked += 1
                     try:
                         check_sample(op, sample, dtype, grad)
                         result.samples_passed += 1
@@ -257,6 +275,7 @@ def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None,
                         raise
                     except ReferenceUnavailable:
                         result.samples_without_reference += 1
+                        checked -= 1
                     except Exception as e:  # noqa: BLE001 - every failure is recorded by name
                         result.samples_failed += 1
                         result.failures.setdefault(key, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -267,26 +286,32 @@ def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None,
                 result.failures.setdefault(key, f"samples: {type(e).__name__}")
             finally:
                 signal.alarm(0)
+            if not checked and key not in result.failures:
+                result.unreferenced.add(key)
             if progress:
                 progress(key)
     return result
 
 
+def print_failures(failures: dict[str, str]) -> None:
+    """The script's report: the commonest kinds of error, then every failure."""
+    print(collections.Counter(v.split(":")[0] for v in failures.values()).most_common(10))
+    for key, err in sorted(failures.items()):
+        print(f"{key}\t{err}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--ops", default="")
     args = parser.parse_args(argv)
-    dtypes = tuple(getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"]))
+    dtypes = tuple(getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16", "float16"]))
     names = set(filter(None, args.ops.split(","))) or None
     t0 = time.time()
     res = sweep(dtypes, names)
     print(f"ops x dtypes: {res.ops_run}, samples passed {res.samples_passed}, failed {res.samples_failed}, "
           f"pass rate {res.pass_rate:.2%}, no CPU reference {res.samples_without_reference}, {time.time() - t0:.0f}s")
-    kinds = collections.Counter(v.split(":")[0] for v in res.failures.values())
-    print(kinds.most_common(10))
-    for key, err in sorted(res.failures.items()):
-        print(f"{key}\t{err}")
+    print_failures(res.failures)
     return 0
 
 

@@ -178,3 +178,22 @@ def test_checkpoint_recomputation_draws_the_forwards_random_numbers():
     out = checkpoint(lambda h: torch.nn.functional.dropout(h * 1.0, 0.5), x, use_reentrant=False)
     out.sum().backward()
     assert torch.equal(x.grad.cpu(), (out.detach().cpu() != 0).float() * 2)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, out: torch.mode(x, 1, out=out),
+    lambda x, out: torch.median(x, 1, out=out),
+    lambda x, out: torch.sort(x, 1, out=out),
+], ids=["mode", "median", "sort"])
+def test_composite_out_variants_run_as_on_the_cpu(call):
+    # Out= overloads served by a composite kernel only (mode.values refused the device: "mode only
+    # supports CPU, CUDA and XPU device type") run the CPU's kernel through the fallback, resizing
+    # out= tensors by the CPU's rules.
+    x = torch.randn(4, 5)
+    cpu_out = (torch.empty(0), torch.empty(0, dtype=torch.long))
+    dev_out = (torch.empty(0, device="neuron"), torch.empty(0, dtype=torch.long, device="neuron"))
+    expected, got = call(x, cpu_out), call(x.to("neuron"), dev_out)
+    assert got[0] is dev_out[0] and got[1] is dev_out[1]
+    for a, e in zip(dev_out, cpu_out):
+        assert a.device.type == "neuron" and a.stride() == e.stride()
+        torch.testing.assert_close(a.cpu(), e)

@@ -4,6 +4,7 @@
 - printing.py: printing a neuron tensor formats its values on the host;
 - histogram.py, scaled_mm.py: device ops the CPU kernels lack (integer histc/bincount, grouped and
   block-scaled matmuls);
+- conv_layout.py: convolutions on neuron pick the CPU's backend and memory format (channels-last kept);
 - sync_batch_norm.py: the statistics ops SyncBatchNorm calls off the CPU, with CUDA's semantics;
 - torchao_support.py: torchao's quantization configs accept modules on neuron.
 
@@ -11,12 +12,13 @@
 """
 from __future__ import annotations
 
-from torchneuron.ops import histogram, policy, printing, scaled_mm, sync_batch_norm, torchao_support
+from torchneuron.ops import conv_layout, histogram, policy, printing, scaled_mm, sync_batch_norm, torchao_support
 
 
 def install() -> None:
     """Registers the fallback policy with the C++ fallback, host-side printing and the device ops."""
     policy.install()
+    conv_layout.install()
     printing.install()
     histogram.install()
     scaled_mm.install()

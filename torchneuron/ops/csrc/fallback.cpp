@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace torchneuron {
@@ -471,6 +472,32 @@ static torch::Library& library(const char* ns) {
 
 static int64_t g_direct_structured = 0;
 
+// The aten base names ("aten::mode") with a CPU kernel in some overload.
+static std::unordered_set<std::string> names_with_cpu_kernels(const std::vector<c10::OperatorName>& names) {
+  std::unordered_set<std::string> out;
+  auto& d = c10::Dispatcher::singleton();
+  for (const auto& name : names) {
+    auto h = d.findOp(name);
+    if (h && h->hasKernelForDispatchKey(DispatchKey::CPU)) out.insert(name.name);
+  }
+  return out;
+}
+
+// An out= overload served by a composite kernel only (generated, or hand-written as mode.values,
+// median.out, sort.values) of an op that has CPU kernels. On neuron tensors the composite kernel runs
+// device-generic code that may refuse the device ("mode only supports CPU, CUDA and XPU device
+// type") or take another path than the CPU's; through the fallback it runs on CPU aliases, as on the
+// CPU, and resizes out= tensors by the CPU's rules.
+static bool is_composite_out_of_cpu_op(const c10::OperatorHandle& h, const std::unordered_set<std::string>& cpu_ops) {
+  if (h.hasKernelForDispatchKey(DispatchKey::CPU) || !cpu_ops.count(h.operator_name().name)) return false;
+  if (!h.hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutograd) &&
+      !h.hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional))
+    return false;
+  for (const auto& a : h.schema().arguments())
+    if (a.is_out()) return true;
+  return false;
+}
+
 static bool g_installed = [] {
   library("_").fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
   auto& m = library("aten");
@@ -485,7 +512,9 @@ static bool g_installed = [] {
   // to the fallback runs the CPU functional kernel in one step, about half the overhead; the
   // fallback's own device check replaces the skipped meta check.
   auto& d = c10::Dispatcher::singleton();
-  for (const auto& name : d.getAllOpNames()) {
+  const std::vector<c10::OperatorName> all_ops = d.getAllOpNames();
+  const std::unordered_set<std::string> cpu_ops = names_with_cpu_kernels(all_ops);
+  for (const auto& name : all_ops) {
     if (name.name.rfind("aten::", 0) != 0) continue;
     auto h = d.findOp(name);
     if (!h || h->hasKernelForDispatchKey(DispatchKey::PrivateUse1)) continue;
@@ -505,7 +534,7 @@ static bool g_installed = [] {
     const bool has_cpu = h->hasKernelForDispatchKey(DispatchKey::CPU);
     const bool composite = h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional) ||
                            h->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutograd);
-    if (!whole && !(composite && has_cpu)) continue;
+    if (!whole && !(composite && has_cpu) && !is_composite_out_of_cpu_op(*h, cpu_ops)) continue;
     std::string s = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
     m.impl(s.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
     ++g_direct_structured;

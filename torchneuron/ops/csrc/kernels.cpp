@@ -118,9 +118,9 @@ static void check_same_neuron_device(std::initializer_list<const Tensor*> ts) {
   }
 }
 
-// PyTorch's fake tensors (torch.compile) give a backend's own convolution ("Overrideable")
-// contiguous outputs and gradients, so the device returns them so, whatever layout the host kernel
-// picked (channels_last for channels_last inputs): compiled code indexes them by those strides.
+// A convolution's results and gradients keep the layout the CPU kernel gives them (channels_last for
+// channels_last inputs or weights, as on the CPU and on CUDA). Fake tensors (torch.compile) predict
+// that layout too: ops/conv_layout.py answers the backend selection for neuron tensors with the CPU's.
 Tensor neuron_convolution(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                           c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
                           c10::IntArrayRef output_padding, int64_t groups) {
@@ -133,7 +133,7 @@ Tensor neuron_convolution(const Tensor& input, const Tensor& weight, const std::
     at::AutoDispatchBelowADInplaceOrView below;
     std::optional<Tensor> cb = b.defined() ? std::optional<Tensor>(cpu_alias(b)) : std::nullopt;
     out = to_device(at::convolution(cpu_alias(input), cpu_alias(weight), cb, stride, padding, dilation, transposed,
-                                    output_padding, groups).contiguous(),
+                                    output_padding, groups),
                     input.device().index());
   }
   record_op_on("aten::convolution_overrideable", "", {&input, &weight}, {&out}, input.device().index());
@@ -155,7 +155,7 @@ std::tuple<Tensor, Tensor, Tensor> neuron_convolution_backward(
                                  c10::IntArrayRef(bias_sizes), stride, padding, dilation, transposed, output_padding,
                                  groups, mask);
   }
-  auto dev = [&](const Tensor& t) { return t.defined() ? to_device(t.contiguous(), index) : t; };
+  auto dev = [&](const Tensor& t) { return t.defined() ? to_device(t, index) : t; };
   std::tuple<Tensor, Tensor, Tensor> out{dev(std::get<0>(r)), dev(std::get<1>(r)), dev(std::get<2>(r))};
   record_op_on("aten::convolution_backward_overrideable", "", {&grad_output, &input, &weight},
                {&std::get<1>(out)}, index);
