@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 # name -> module providing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS: dict[str, str] = {
     "explorer": "torchneuron.profiler.explorer_cli",
+    "serve-diffusion": "torchneuron.serving.diffusion.cli",
 }
 
 
