@@ -51,20 +51,21 @@ def _serve(kind: str, directory, window_s: float = 0.3):
     return server, thread, client, served
 
 
-@pytest.fixture(scope="module")
-def image_server(tmp_path_factory):
-    server, thread, client, served = _serve("unet", tmp_path_factory.mktemp("unet"))
+def _running(kind: str, tmp_path_factory):
+    server, thread, client, served = _serve(kind, tmp_path_factory.mktemp(kind))
     yield client, served
     server.should_exit = True
     thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory):
+    yield from _running("unet", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def video_server(tmp_path_factory):
-    server, thread, client, served = _serve("video", tmp_path_factory.mktemp("video"))
-    yield client, served
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield from _running("video", tmp_path_factory)
 
 
 def _png(item: dict) -> np.ndarray:
