@@ -65,6 +65,7 @@ SUBCOMMANDS: dict[str, str] = {
     "explorer": "torchneuron.profiler.explorer_cli",
     "plan": "torchneuron.planner.cli",
     "serve": "torchneuron.serving.llm.server",
+    "serve-diffusion": "torchneuron.serving.diffusion.cli",
 }
 
 
