@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from .instructions import contraction_rows, dma_timing, engine_seconds, matmul_pass_cycles
-from .taxonomy import base_name, classify
+from .taxonomy import base_name, classify, split_names
 from .targets import Target, get_target
 
 __all__ = [
@@ -378,7 +378,7 @@ def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: S
 # round to nearest even). Mixed-precision recipes use it for small scale tensors (torchao's
 # float8 scale math); anything else in float64 (matmuls, transcendentals, reductions but
 # amax/amin) stays a host fallback.
-FP64_EMULATED_OPS = frozenset(_names(
+FP64_EMULATED_OPS = frozenset(split_names(
     "add sub rsub mul div reciprocal neg abs clamp clamp_min clamp_max maximum minimum where",
     "eq ne lt le gt ge sign floor ceil trunc round amax amin masked_fill"))
 # Assumption: ~40 integer instructions an element (a softfloat add/mul with 32-bit limbs);

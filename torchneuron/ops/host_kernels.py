@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from torchneuron.hardware.model import TensorSig, launch_cost, op_cost
-from torchneuron.runtime import _C, charge, host_view
+from torchneuron.hardware.worklog import charge
+from torchneuron.runtime import _C, host_view
 
 __all__ = ["device_kernel", "register"]
 

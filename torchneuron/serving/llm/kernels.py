@@ -16,6 +16,7 @@ import torch
 
 from torchneuron import eager, runtime
 from torchneuron.hardware import model as perf_model
+from torchneuron.hardware.worklog import charge
 
 _LIB = torch.library.Library("neuron_serving", "DEF")
 _LIB.define("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()")
@@ -44,7 +45,7 @@ def _sig(t: torch.Tensor) -> perf_model.TensorSig:
 
 def _charge(name: str, cost: perf_model.Cost, like: torch.Tensor) -> None:
     cost = dataclasses.replace(cost, duration_s=cost.duration_s + perf_model.launch_cost())
-    runtime.charge(f"neuron_serving::{name}", cost, device=like.device.index)
+    charge(f"neuron_serving::{name}", cost, device=like.device.index)
 
 
 def _ready() -> None:

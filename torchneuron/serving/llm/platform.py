@@ -16,8 +16,6 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
-import torchneuron  # noqa: F401  (makes `neuron` a torch device and a c10d backend)
-
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
