@@ -195,7 +195,6 @@ NEURON_BUGS: dict[str, str] = {}
 UPSTREAM_LIMITATIONS = {
     # Inductor's decompositions round bf16 intermediates that the eager kernels keep in float32.
     "grid_sampler_2d/bfloat16": "Inductor's bf16 decomposition rounds intermediates (same on CPU)",
-    "nn.functional.grid_sample/bfloat16": "Inductor's bf16 decomposition rounds intermediates (same on CPU)",
 }
 # Failures of the eager sweep too (tests/ops/test_opinfo.py's KNOWN_FAILURES), for the same reason,
 # in float32 (the sweep's bfloat16 ops are only BF16's).

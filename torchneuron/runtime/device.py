@@ -96,7 +96,11 @@ def device_index(device: Any = None, optional: bool = True) -> int:
 
 
 def set_device(device: Any) -> None:
-    ops().set_device(device_index(device))
+    """Makes `device` current; like torch.cuda.set_device, this initialises the device (so DeviceMesh and
+    other launch helpers see the choice as the user's and keep it)."""
+    index = device_index(device)
+    _lazy_init()
+    ops().set_device(index)
 
 
 class device:
