@@ -45,7 +45,10 @@ def _compare(q, k, v, atol=1e-5, rtol=1e-4, mask=None, **kwargs):
 def test_choice_is_overrideable():
     q, k, v = (t.to(DEV) for t in _qkv())
     assert torch._fused_sdp_choice(q, k, v) == SDPBackend.OVERRIDEABLE.value
-    assert torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True) == SDPBackend.OVERRIDEABLE.value
+    # with dropout, math draws the CPU's mask for the same seed (the OpInfo gate compares with CPU)
+    assert torch._fused_sdp_choice(q, k, v, dropout_p=0.1, is_causal=True) == SDPBackend.MATH.value
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # math disabled: the fused kernel runs the dropout
+        assert torch._fused_sdp_choice(q, k, v, dropout_p=0.1) == SDPBackend.OVERRIDEABLE.value
     with sdpa_kernel(SDPBackend.MATH):  # the user's choice of backend is respected
         assert torch._fused_sdp_choice(q, k, v) == SDPBackend.MATH.value
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # CUDA code asking for flash gets the device's fused kernel
@@ -113,6 +116,9 @@ def test_dropout():
     again = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     torch.testing.assert_close(again, first)
     assert not torch.allclose(first, F.scaled_dot_product_attention(q, k, v))
+    cpu = [t.cpu() for t in (q, k, v)]
+    torch.manual_seed(5)  # the same seed draws the CPU's mask
+    torch.testing.assert_close(first.cpu(), F.scaled_dot_product_attention(*cpu, dropout_p=0.5))
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     result = aten._scaled_dot_product_fused_attention_overrideable(*leaves, dropout_p=0.5, return_debug_mask=True)

@@ -77,7 +77,10 @@ int64_t neuron_sdp_choice(const Tensor& query, const Tensor& key, const Tensor& 
   // The device has one fused attention; it stands for every fused backend the user may select.
   const bool fused_enabled = ctx.userEnabledOverrideableSDP() || ctx.userEnabledFlashSDP() ||
                              ctx.userEnabledMemEfficientSDP() || ctx.userEnabledCuDNNSDP();
-  if (fused_enabled && fused_accepts(query, key, value, attn_mask, enable_gqa))
+  // With dropout, math draws the keep-mask with the device generator exactly as the CPU draws it (same
+  // seed, same mask); the fused kernel keeps dropout only for callers that disabled math.
+  const bool math_for_dropout = dropout_p > 0 && ctx.userEnabledMathSDP();
+  if (fused_enabled && !math_for_dropout && fused_accepts(query, key, value, attn_mask, enable_gqa))
     return static_cast<int64_t>(SDPBackend::overrideable);
   if (ctx.userEnabledMathSDP()) return static_cast<int64_t>(SDPBackend::math);
   return static_cast<int64_t>(SDPBackend::error);
