@@ -30,11 +30,17 @@ torchneuron/runtime/_C.so: $(CSRC) $(VENV)/.installed
 demo: install
 	$(VENV)/bin/torchneuron demo
 
+# The serving tests start vLLM engines and servers: they run in a pytest process of their own, after
+# the rest (in a process that ran other test modules first, vLLM's engine start failed inside llvmlite).
+SERVING_TESTS := tests/serving
+
 test: install
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) --ignore=$(SERVING_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 1 $(SERVING_TESTS) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PYTEST) -m "not slow and not multiprocess" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow and not multiprocess" --ignore=$(SERVING_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n 1 -m "not slow and not multiprocess" $(SERVING_TESTS) $(PYTEST_ARGS)
 
 bench: install
 	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
