@@ -16,8 +16,8 @@ DEV = "neuron"
 aten = torch.ops.aten
 
 
-def _qkv(b=2, hq=4, hk=4, lq=6, lk=7, e=8, ev=8, dtype=torch.float32):
-    torch.manual_seed(0)
+def _qkv(b=2, hq=4, hk=4, lq=6, lk=7, e=8, ev=8, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
     shape = (lambda h, l, d: (h, l, d)) if b is None else (lambda h, l, d: (b, h, l, d))
     return (torch.randn(shape(hq, lq, e), dtype=dtype), torch.randn(shape(hk, lk, e), dtype=dtype),
             torch.randn(shape(hk, lk, ev), dtype=dtype))
@@ -139,3 +139,13 @@ def test_dropout():
 def test_math_only_still_matches():
     with sdpa_kernel(SDPBackend.MATH):
         _compare(*_qkv(), is_causal=True)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["4-D", "3-D"])
+def test_half_precision_takes_the_cpus_kernel(batched):
+    """Neuron runs the flash kernel exactly where the CPU does (4-D inputs) and the CPU's float32 math
+    elsewhere (3-D): bf16 gradients of the two kernels differ by more than bf16's tolerance on some
+    data (the OpInfo gate's causal 3-D sample found it), so values and gradients match CPU closely."""
+    for seed in range(8):
+        q, k, v = _qkv(b=4 if batched else None, hq=3, hk=3, lq=3, lk=6, dtype=torch.bfloat16, seed=seed)
+        _compare(q, k, v, atol=1e-2, rtol=1e-2, is_causal=True)

@@ -9,8 +9,9 @@
 //   device is PyTorch's host flash kernel `_scaled_dot_product_flash_attention_for_cpu` (and its
 //   backward) reaching the device fallback: queued in adaptive eager mode, kept whole by the
 //   compiler and charged to the timeline as flash attention, exactly as the CPU would choose it;
-// - with dropout (or shapes the flash kernel does not take, such as different value and query head
-//   sizes), as attention in device ops, in float32 for half-precision data like the CPU's math path.
+// - with dropout, or where the CPU's math backend would run (3-D inputs, shapes the flash kernel does
+//   not take, such as different value and query head sizes), as attention in device ops, in float32
+//   for half-precision data like the CPU's math path.
 //   The dropout mask comes from the device generator through a seed returned as `philox_seed`, so
 //   the backward draws the same mask again.
 // Grouped-query attention (fewer key/value heads than query heads, `enable_gqa=True`) repeats each
@@ -126,10 +127,16 @@ Problem problem_of(const Tensor& query, const Tensor& key, const Tensor& value, 
   return p;
 }
 
-// Whether the forward (and so the backward) runs as the flash kernel.
-bool runs_flash(const Problem& p, double dropout_p, bool is_causal) {
+// Whether the forward (and so the backward) runs as the flash kernel: exactly where the CPU's own
+// choice, asked with the caller's tensors (3-D or 4-D, key/value heads not repeated), is flash. The
+// CPU computes the rest with its math backend in float32 (3-D inputs, grouped heads), and so does
+// this device: the two kernels' half-precision gradients differ by more than bf16's tolerance.
+bool runs_flash(const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& mask,
+                const Problem& p, double dropout_p, bool is_causal) {
   if (dropout_p > 0) return false;
-  const int64_t choice = at::native::_fused_sdp_choice_cpp(p.q, p.k, p.v, p.bias, 0.0, is_causal, p.scale, false);
+  const bool grouped = query.size(-3) != key.size(-3);
+  const int64_t choice =
+      at::native::_fused_sdp_choice_cpp(query, key, value, mask, 0.0, is_causal, p.scale, grouped);
   return choice == static_cast<int64_t>(SDPBackend::flash_attention);
 }
 
@@ -203,7 +210,7 @@ ForwardResult fused_attention(const Tensor& query, const Tensor& key, const Tens
   const auto cpu_long = at::TensorOptions().dtype(c10::kLong);
   Tensor out, lse, debug;
   int64_t seed = 0;
-  if (runs_flash(p, dropout_p, is_causal)) {
+  if (runs_flash(query, key, value, attn_bias, p, dropout_p, is_causal)) {
     std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(p.q, p.k, p.v, 0.0, is_causal, p.bias,
                                                                          p.scale);
   } else {
@@ -243,7 +250,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_attention_backward(
   const Problem p = problem_of(query, key, value, bias, scale);
   const Tensor grad = to_4d(grad_out, p.batched);
   Tensor gq, gk, gv, gbias;
-  if (runs_flash(p, dropout_p, is_causal) && !grad_input_mask[3]) {
+  if (runs_flash(query, key, value, bias, p, dropout_p, is_causal) && !grad_input_mask[3]) {
     std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
         grad, p.q, p.k, p.v, to_4d(out, p.batched), logsumexp, 0.0, is_causal, p.bias, p.scale);
   } else {  // attention's gradient from the probabilities, recomputed (with the forward's dropout mask)
