@@ -242,54 +242,64 @@ def expected_runs(dtypes, names: set[str] | None = None) -> int:
     """How many (op, dtype) entries a sweep of `names` (all of op_db when empty or None) must run:
     each OpInfo in each of `dtypes` the CPU supports. Counted apart from the sweeps' own loops,
     which the gates check against it."""
-    return sum(1 for op in op_db if not names or op.name in names
-               for dtype in dtypes if dtype in op.supported_dtypes("cpu"))
+    return sum(1 for _ in op_dtype_cases(dtypes, names))
+
+
+def op_dtype_cases(dtypes, names: set[str] | None = None):
+    """(OpInfo, dtype) for every OpInfo of op_db named in `names` (all when empty or None) and each of
+    `dtypes` the CPU supports for it, in op_db order: the cases every sweep and its count walk."""
+    for op in op_db:
+        if names and op.name not in names:
+            continue
+        for dtype in dtypes:
+            if dtype in op.supported_dtypes("cpu"):
+                yield op, dtype
+
+
+def start_sweep() -> None:
+    """Per-op time limits (SIGALRM raises _Timeout) and no warnings, for a sweep of many ops."""
+    signal.signal(signal.SIGALRM, _alarm)
+    warnings.filterwarnings("ignore")
 
 
 def sweep(dtypes=(torch.float32, torch.bfloat16), names: set[str] | None = None, per_op_seconds: int = 30,
           progress=None) -> SweepResult:
     result = SweepResult()
-    signal.signal(signal.SIGALRM, _alarm)
-    warnings.filterwarnings("ignore")
-    for op in op_db:
-        if names and op.name not in names:
-            continue
-        for dtype in dtypes:
-            if dtype not in op.supported_dtypes("cpu"):
-                continue
-            key = f"{op_key(op)}/{str(dtype)[6:]}"
-            grad = op.supports_autograd
-            result.keys.append(key)
-            signal.alarm(per_op_seconds)
-            try:
-                checked = 0
-                samples = samples_of(op, dtype, grad)
-                for n, sample in enumerate(samples):
-                    if n >= MAX_SAMPLES:
-                        break
-                    checked += 1
-                    try:
-                        check_sample(op, sample, dtype, grad)
-                        result.samples_passed += 1
-                    except _Timeout:
-                        raise
-                    except ReferenceUnavailable:
-                        result.samples_without_reference += 1
-                        checked -= 1
-                    except Exception as e:  # noqa: BLE001 - every failure is recorded by name
-                        result.samples_failed += 1
-                        result.failures.setdefault(key, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-            except _Timeout:
-                result.samples_failed += 1
-                result.failures.setdefault(key, "timeout")
-            except Exception as e:  # noqa: BLE001 - sample generation itself failed on CPU
-                result.failures.setdefault(key, f"samples: {type(e).__name__}")
-            finally:
-                signal.alarm(0)
-            if not checked and key not in result.failures:
-                result.unreferenced.add(key)
-            if progress:
-                progress(key)
+    start_sweep()
+    for op, dtype in op_dtype_cases(dtypes, names):
+        key = f"{op_key(op)}/{str(dtype)[6:]}"
+        grad = op.supports_autograd
+        result.keys.append(key)
+        signal.alarm(per_op_seconds)
+        try:
+            checked = 0
+            samples = samples_of(op, dtype, grad)
+            for n, sample in enumerate(samples):
+                if n >= MAX_SAMPLES:
+                    break
+                checked += 1
+                try:
+                    check_sample(op, sample, dtype, grad)
+                    result.samples_passed += 1
+                except _Timeout:
+                    raise
+                except ReferenceUnavailable:
+                    result.samples_without_reference += 1
+                    checked -= 1
+                except Exception as e:  # noqa: BLE001 - every failure is recorded by name
+                    result.samples_failed += 1
+                    result.failures.setdefault(key, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        except _Timeout:
+            result.samples_failed += 1
+            result.failures.setdefault(key, "timeout")
+        except Exception as e:  # noqa: BLE001 - sample generation itself failed on CPU
+            result.failures.setdefault(key, f"samples: {type(e).__name__}")
+        finally:
+            signal.alarm(0)
+        if not checked and key not in result.failures:
+            result.unreferenced.add(key)
+        if progress:
+            progress(key)
     return result
 
 

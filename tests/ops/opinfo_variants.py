@@ -40,7 +40,7 @@ from torch.testing._internal.common_utils import noncontiguous_like
 from torch.utils._pytree import tree_leaves, tree_map
 
 from tests.ops import opinfo_sweep
-from tests.ops.opinfo_sweep import ReferenceUnavailable, op_db, op_key
+from tests.ops.opinfo_sweep import ReferenceUnavailable, op_key
 
 VARIANTS = ("noncontiguous", "out", "out_resize", "inplace", "channels_last")
 VARIANT_SAMPLES = {"noncontiguous": 1, "out": 1, "out_resize": 1, "inplace": 1, "channels_last": 2}
@@ -388,60 +388,53 @@ def expected_cases(dtypes, variants=VARIANTS, names: set[str] | None = None) -> 
     samples tells; it is counted as the sweep ran it, the others from the OpInfos."""
     per_op = {"noncontiguous": lambda op: True, "out": lambda op: op.supports_out,
               "out_resize": lambda op: op.supports_out, "inplace": lambda op: op.get_inplace() is not None}
-    return sum(1 for op in op_db if not names or op.name in names
-               for dtype in dtypes if dtype in op.supported_dtypes("cpu")
+    return sum(1 for op, _ in opinfo_sweep.op_dtype_cases(dtypes, names)
                for v in variants if v in per_op and per_op[v](op))
 
 
 def variant_sweep(dtypes=(torch.float32, torch.bfloat16, torch.float16), variants=VARIANTS,
                   names: set[str] | None = None, per_op_seconds: int = 30, progress=None) -> VariantResult:
     result = VariantResult()
-    signal.signal(signal.SIGALRM, opinfo_sweep._alarm)
-    warnings.filterwarnings("ignore")
-    for op in op_db:
-        if names and op.name not in names:
-            continue
-        for dtype in dtypes:
-            if dtype not in op.supported_dtypes("cpu"):
+    opinfo_sweep.start_sweep()
+    for op, dtype in opinfo_sweep.op_dtype_cases(dtypes, names):
+        dt = str(dtype)[6:]
+        for variant in variants:
+            key = f"{op_key(op)}/{dt}/{variant}"
+            ran, error = 0, None
+            signal.alarm(per_op_seconds)
+            try:
+                for sample in opinfo_sweep.samples_of(op, dtype, op.supports_autograd):
+                    if ran >= VARIANT_SAMPLES[variant]:
+                        break
+                    if not applies(variant, op, sample):
+                        if variant == "channels_last":
+                            continue
+                        break
+                    ran += 1
+                    try:
+                        CHECKS[variant](op, sample, dtype, op.supports_autograd)
+                    except (opinfo_sweep._Timeout, ReferenceUnavailable):
+                        raise
+                    except Exception as e:  # noqa: BLE001 - every failure is recorded by name
+                        error = error or f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            except ReferenceUnavailable:
+                pass  # the CPU cannot run the variant: not a case
+            except opinfo_sweep._Timeout:
+                error = "timeout"
+            except Exception as e:  # noqa: BLE001 - sample generation itself failed on CPU
+                error = f"samples: {type(e).__name__}: {str(e)[:120]}"
+            finally:
+                signal.alarm(0)
+            if not ran and error is None:
                 continue
-            dt = str(dtype)[6:]
-            for variant in variants:
-                key = f"{op_key(op)}/{dt}/{variant}"
-                ran, error = 0, None
-                signal.alarm(per_op_seconds)
-                try:
-                    for sample in opinfo_sweep.samples_of(op, dtype, op.supports_autograd):
-                        if ran >= VARIANT_SAMPLES[variant]:
-                            break
-                        if not applies(variant, op, sample):
-                            if variant == "channels_last":
-                                continue
-                            break
-                        ran += 1
-                        try:
-                            CHECKS[variant](op, sample, dtype, op.supports_autograd)
-                        except (opinfo_sweep._Timeout, ReferenceUnavailable):
-                            raise
-                        except Exception as e:  # noqa: BLE001 - every failure is recorded by name
-                            error = error or f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                except ReferenceUnavailable:
-                    pass  # the CPU cannot run the variant: not a case
-                except opinfo_sweep._Timeout:
-                    error = "timeout"
-                except Exception as e:  # noqa: BLE001 - sample generation itself failed on CPU
-                    error = f"samples: {type(e).__name__}: {str(e)[:120]}"
-                finally:
-                    signal.alarm(0)
-                if not ran and error is None:
-                    continue
-                result.keys.append(key)
-                if error is None:
-                    result.passed[variant, dt] += 1
-                else:
-                    result.failed[variant, dt] += 1
-                    result.failures[key] = error
-                if progress:
-                    progress(key)
+            result.keys.append(key)
+            if error is None:
+                result.passed[variant, dt] += 1
+            else:
+                result.failed[variant, dt] += 1
+                result.failures[key] = error
+            if progress:
+                progress(key)
     return result
 
 
