@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from torchneuron.cli import main
 
 
@@ -63,3 +65,18 @@ def test_every_shipped_command_imports_only_declared_dependencies():
     project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     declared = {re.split(r"[<>=!~\[ ]", d)[0].lower().replace("-", "_") for d in project["dependencies"]}
     assert _third_party_imports("profiler") <= declared, _third_party_imports("profiler") - declared
+
+
+@pytest.mark.parametrize("command, extra, missing", [("serve", "serve", "vllm"),
+                                                     ("serve-diffusion", "diffusion", "diffusers")])
+def test_a_server_command_without_its_extra_names_the_install(command, extra, missing, monkeypatch, tmp_path):
+    """Without vLLM (or diffusers) a server command stops with the install that brings it, not a traceback."""
+    import importlib.util
+
+    from torchneuron import cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, str(tmp_path)])
+    assert missing in str(stopped.value) and f"torchneuron[{extra}]" in str(stopped.value)

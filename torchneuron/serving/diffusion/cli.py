@@ -5,6 +5,8 @@ import argparse
 
 import torch
 
+from torchneuron.serving import require_extra
+
 __all__ = ["add_arguments", "run"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
+
+    require_extra("serve-diffusion", "diffusion", ("diffusers", "fastapi", "uvicorn"))
 
     import uvicorn
 

@@ -19,6 +19,7 @@ import tempfile
 from typing import Any, Callable, Sequence
 
 from torchneuron import settings
+from torchneuron.serving import require_extra
 from torchneuron.serving.llm.timing import ENV, TimingReader
 
 TARGETS = ("trn1", "trn2", "trn3")
@@ -54,6 +55,7 @@ def server_command(model_dir: str, vllm_args: Sequence[str]) -> tuple[list[str],
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("serve", "serve", ("vllm",))
     command, env = server_command(args.model_dir, args.vllm_args)
     os.environ.update(env)
     os.execv(command[0], command)  # vLLM's server becomes this process: SIGTERM reaches it directly
