@@ -1,5 +1,6 @@
 """More architectures on the neuron platform: Qwen3 (with vLLM's ngram speculative decoding, which
-must not change greedy tokens) and Mixtral (MoE), each greedy-equal to transformers' generate."""
+must not change greedy tokens), Qwen2 (biased QKV projections), Mistral and Mixtral (MoE), each
+greedy-equal to transformers' generate."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,8 @@ CONFIGS = {
     "qwen3": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                       "prompt_lookup_min": 1}),
     "mixtral": {},
+    "qwen2": {},
+    "mistral": {},
 }
 
 
