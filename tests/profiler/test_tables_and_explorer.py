@@ -240,3 +240,29 @@ def test_advice_already_followed_is_not_given(planted):
     assert _advice(*advice, done=set()) == "use foreach; use larger batches"
     low = events.assign(dtype="bf16")
     assert "low_precision" in _practices(low) and "low_precision" not in _practices(events)
+
+
+def test_a_profile_with_python_stacks_exports(tmp_path):
+    """with_stack=True (vLLM's profiler default) records Python-stack events whose thread torch reports
+    as 2**64 - 1: the export keeps them (thread -1) instead of failing on the int64 column."""
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(16, 16, device="neuron")
+    profiles = []
+
+    def profiled_in_a_thread():  # the thread's frames predate the profile, as in vLLM's engine thread
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1], with_stack=True) as p:
+            (x @ x).sum().item()
+        profiles.append(p)
+
+    worker = threading.Thread(target=profiled_in_a_thread)
+    worker.start()
+    worker.join()
+    prof = profiles[0]
+    neuron_profiler.export_profile(prof, str(tmp_path / "p"))
+    profile_read = read_profile(str(tmp_path / "p"))
+    assert not profile_read.problems
+    host_ops = profile_read["host_ops"]
+    assert (host_ops["thread"] == -1).any() and host_ops["name"].str.contains("threading.py").any()

@@ -150,7 +150,7 @@ SCHEMA: dict[str, tuple[str, list[tuple[str, pa.DataType, str, str]]]] = {
     "host_ops": ("torch.profiler's CPU ops (host wall time) with the modeled device time they issued.", [
         ("id", I, "", "torch.profiler event id (External id in the Chrome trace)"),
         ("name", S, "", "op name"),
-        ("thread", I, "", "torch.profiler thread id"),
+        ("thread", I, "", "torch.profiler thread id (-1 for Python-stack events)"),
         ("start_us", F, "us", "host start since the trace started"),
         ("duration_us", F, "us", "host wall time"),
         ("self_cpu_us", F, "us", "host time excluding child ops"),
@@ -327,6 +327,13 @@ def _detail_rows(captures: list[DeviceCapture], events: list[dict]) -> dict[str,
     return {"nki_instructions": nki, "dma": dma, "memory": memory, "collectives": collectives}
 
 
+def _int64(value: int) -> int:
+    """An id torch.profiler reports as unsigned 64-bit, as the int64 column holds it: Python-stack events
+    (with_stack=True) have thread 2**64 - 1, which is -1 here."""
+    value = int(value)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _host_op_rows(prof: Any) -> list[dict]:
     try:
         function_events = prof.events() if hasattr(prof, "events") else None
@@ -343,7 +350,7 @@ def _host_op_rows(prof: Any) -> list[dict]:
         total[id(e)] = total.get(id(e), 0.0) + own
         if e.cpu_parent is not None:
             total[id(e.cpu_parent)] = total.get(id(e.cpu_parent), 0.0) + total[id(e)]
-    return [{"id": int(e.id), "name": e.name, "thread": int(e.thread), "start_us": e.time_range.start,
+    return [{"id": _int64(e.id), "name": e.name, "thread": _int64(e.thread), "start_us": e.time_range.start,
              "duration_us": e.time_range.elapsed_us(), "self_cpu_us": float(e.self_cpu_time_total),
              "device_us": total[id(e)], "self_device_us": float(sum(k.duration for k in e.kernels)),
              "depth": depth[id(e)]} for e in cpu]
