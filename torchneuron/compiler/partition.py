@@ -2,7 +2,7 @@
 
 Every node that computes gets a placement:
 
-- "device": the NeuronCore runs it (fused into kernels by fusion.py);
+- "device": the NeuronCore runs it (fused into kernels by graph_fusion.py);
 - "host": a CPU fallback, by the runtime's policy (`torchneuron.ops.policy`: ops without a
   NeuronCore implementation) or because a tensor has a dtype the target lacks (float64,
   complex). Host ops are charged as host round trips, warned about once per op, and make

@@ -12,7 +12,7 @@ Pricing reuses the performance model as each mode's runtime uses it:
   Python, as FSDP's hooks do, breaks a torch.compile graph).
 
 A run or graph is compiled by the compiler itself: the recorded ops become an FX graph whose
-nodes carry meta values, which `compiler.partition`, `compiler.fusion.fuse` and
+nodes carry meta values, which `compiler.partition`, `compiler.graph_fusion.fuse` and
 `build_kernels` turn into kernels, priced by `compiler.cost.kernel_cost`. A tensor a later
 op reads (or an input an op mutates) is a graph output, so it is written to HBM.
 
@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from torchneuron.compiler.cost import kernel_cost
-from torchneuron.compiler.fusion import build_kernels, fuse
+from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.eager.fusion import MIN_OPS
