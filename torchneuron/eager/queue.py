@@ -6,7 +6,7 @@ queue it has seen before from a cached plan. It calls Python for two things:
 
 - `classify(name)`: once per operator, what the queue may do with it (ops.op_info);
 - `flush_records(records)`: once per queue it has no plan for. The records become `Entry`
-  objects, fusion.py's Executor runs them (fusing where it pays), and the plan it followed goes
+  objects, queue_fusion.py's Executor runs them (fusing where it pays), and the plan it followed goes
   back to C++: which entries ran eagerly, which ran as one fused program, and that program's
   inputs and outputs, which C++ checks against its own before caching the plan. A plan that
   depended on a decision Python will revisit (a run seen once is not compiled yet) is not final

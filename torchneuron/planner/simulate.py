@@ -6,7 +6,7 @@ Pricing reuses the performance model as each mode's runtime uses it:
   runtime's work log charges; ops without a NeuronCore implementation are host fallbacks
   priced as host round trips, views are free);
 - adaptive: maximal runs of ops adaptive eager may fuse (`eager.ops.FUSIBLE_CATEGORIES`, at
-  least `eager.fusion.MIN_OPS` of them) are compiled, the rest run eagerly; collectives and
+  least `eager.queue_fusion.MIN_OPS` of them) are compiled, the rest run eagerly; collectives and
   other synchronising ops end a run;
 - compiled: the ops between two collectives form one graph (a collective issued from
   Python, as FSDP's hooks do, breaks a torch.compile graph).
@@ -38,7 +38,7 @@ from torchneuron.compiler.cost import kernel_cost
 from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
-from torchneuron.eager.fusion import MIN_OPS
+from torchneuron.eager.queue_fusion import MIN_OPS
 from torchneuron.eager.ops import FUSIBLE_CATEGORIES
 from torchneuron.hardware import Cost, DeviceTimeline, Target, copy_cost, launch_cost, op_cost
 from torchneuron.hardware.taxonomy import classify
