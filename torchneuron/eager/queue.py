@@ -4,7 +4,7 @@ The queue itself is C++ (`eager/csrc/queue.cpp`, inside the device's boxed fallb
 queues ops, learns their output shapes, tracks where each argument comes from, and replays a
 queue it has seen before from a cached plan. It calls Python for two things:
 
-- `classify(name)`: once per operator, what the queue may do with it (ops.op_info);
+- `classify(name)`: once per operator, what the queue may do with it (op_kinds.op_info);
 - `flush_records(records)`: once per queue it has no plan for. The records become `Entry`
   objects, queue_fusion.py's Executor runs them (fusing where it pays), and the plan it followed goes
   back to C++: which entries ran eagerly, which ran as one fused program, and that program's
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.eager.ops import ALLOCATE, QUEUE, SYNC, VIEW, OpInfo, flat_tensors, op_info, traceable_overload
+from torchneuron.eager.op_kinds import ALLOCATE, QUEUE, SYNC, VIEW, OpInfo, flat_tensors, op_info, traceable_overload
 from torchneuron.runtime.worklog import worklog_paused
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 

@@ -5,7 +5,7 @@ Pricing reuses the performance model as each mode's runtime uses it:
 - eager: every op is one kernel, `hardware.op_cost` plus `hardware.launch_cost` (what the
   runtime's work log charges; ops without a NeuronCore implementation are host fallbacks
   priced as host round trips, views are free);
-- adaptive: maximal runs of ops adaptive eager may fuse (`eager.ops.FUSIBLE_CATEGORIES`, at
+- adaptive: maximal runs of ops adaptive eager may fuse (`eager.op_kinds.FUSIBLE_CATEGORIES`, at
   least `eager.queue_fusion.MIN_OPS` of them) are compiled, the rest run eagerly; collectives and
   other synchronising ops end a run;
 - compiled: the ops between two collectives form one graph (a collective issued from
@@ -39,7 +39,7 @@ from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.eager.queue_fusion import MIN_OPS
-from torchneuron.eager.ops import FUSIBLE_CATEGORIES
+from torchneuron.eager.op_kinds import FUSIBLE_CATEGORIES
 from torchneuron.hardware import Cost, DeviceTimeline, Target, copy_cost, launch_cost, op_cost
 from torchneuron.hardware.taxonomy import classify
 from torchneuron.ops import policy
