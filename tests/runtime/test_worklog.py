@@ -6,11 +6,11 @@ import torch
 
 from torchneuron.ops import policy
 from torchneuron.runtime import _C, worklog
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 
 def test_record_dtype_is_the_cpp_struct():
-    assert worklog.RECORD.itemsize == int(ops().worklog_record_size())
+    assert worklog.RECORD.itemsize == int(runtime_ops().worklog_record_size())
     assert worklog.RECORD.names[:3] == ("kind", "op_id", "device")
     assert worklog.RECORD["sigs"].shape == (worklog.MAX_SIGS,)
 

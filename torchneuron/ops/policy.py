@@ -15,7 +15,7 @@ import torch
 
 from torchneuron.hardware.model import FP64_EMULATED_OPS
 from torchneuron.runtime import _C
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 # The policy bits, defined once in C++ (csrc/neuron.h: OpPolicy):
 HOST_ONLY = _C.OP_POLICY["HOST_ONLY"]          # no NeuronCore implementation: runs on the host CPU
@@ -91,21 +91,21 @@ def on_fallback(name: str, reason: str) -> None:
 
 def fallback_counts() -> dict[str, int]:
     """How often each op fell back to the CPU since start (or the last reset)."""
-    names, counts = ops().host_fallback_counts()
+    names, counts = runtime_ops().host_fallback_counts()
     return dict(zip(names, counts))
 
 
 def reset_fallback_counts() -> None:
-    ops().reset_host_fallback_counts()
+    runtime_ops().reset_host_fallback_counts()
 
 
 def set_strict(on: bool = True) -> None:
     """In strict mode, an op that would fall back to the CPU raises NotImplementedError instead."""
-    ops().set_strict(bool(on))
+    runtime_ops().set_strict(bool(on))
 
 
 def is_strict() -> bool:
-    return bool(ops().strict())
+    return bool(runtime_ops().strict())
 
 
 _registrations: list[torch.library.Library] = []
@@ -117,4 +117,4 @@ def install() -> None:
     lib.impl("_classify_op", classify_op, "CompositeExplicitAutograd")
     lib.impl("_on_fallback", on_fallback, "CompositeExplicitAutograd")
     _registrations.append(lib)
-    ops().reclassify_ops()
+    runtime_ops().reclassify_ops()
