@@ -1,5 +1,7 @@
 """Small models and data shared by the parallelism tests; each test compares ranks with a
 single-process reference built from these."""
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,23 +52,31 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def data_parallel_reference(world: int, steps: int, accumulate: int = 1) -> dict:
-    """What data-parallel SGD (lr 0.1) of `mlp()` over `world` ranks must give, in one process: every
-    rank's batches (`accumulate` micro-batches a step), gradients averaged over the ranks. Returns the
-    losses as (rank, loss), the first step's gradients and the final parameters."""
+def sgd_reference(steps: int, set_grads: Callable[[nn.Module, int, list], None]) -> dict:
+    """Single-process SGD (lr 0.1) of `mlp()`: each step, `set_grads(model, step, losses)` gives the
+    parameters the gradients the parallel run must reach (appending `(rank, loss)` to `losses`).
+    Returns the losses, the first step's gradients and the final parameters."""
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {"losses": []}
     for step in range(steps):
-        for micro in range(accumulate):
-            for rank in range(world):
-                x, y = batch(step * accumulate + micro, rank)
-                loss = F.mse_loss(model(x), y) / accumulate
-                (loss / world).backward()  # DDP averages gradients over ranks
-                out["losses"].append((rank, loss.item()))
+        set_grads(model, step, out["losses"])
         if step == 0:
             out["grads"] = cpu_grads(model)
         optimizer.step()
         optimizer.zero_grad()
     out["params"] = cpu_state(model)
     return out
+
+
+def data_parallel_reference(world: int, steps: int, accumulate: int = 1) -> dict:
+    """What data-parallel training over `world` ranks must give (`sgd_reference`): every rank's
+    batches (`accumulate` micro-batches a step), gradients averaged over the ranks."""
+    def set_grads(model: nn.Module, step: int, losses: list) -> None:
+        for micro in range(accumulate):
+            for rank in range(world):
+                x, y = batch(step * accumulate + micro, rank)
+                loss = F.mse_loss(model(x), y) / accumulate
+                (loss / world).backward()  # DDP averages gradients over ranks
+                losses.append((rank, loss.item()))
+    return sgd_reference(steps, set_grads)
