@@ -33,6 +33,6 @@ def test_enums_are_distinct_and_flags_are_bits():
     for bits in (_C.WORK_FLAGS.values(), _C.OP_POLICY.values()):
         bits = list(bits)
         assert all(b > 0 and b & (b - 1) == 0 for b in bits) and len(set(bits)) == len(bits)
-    assert policy.classify_op("aten::linalg_svd") & policy.HOST_ONLY
+    assert policy.fallback_policy("aten::linalg_svd") & policy.HOST_ONLY
     assert set(_C.QUEUE_KINDS) >= {"SYNC", "FUNCTIONAL", "INPLACE", "ALLOCATE", "VIEW", "OUT", "RANDOM_BIT"}
     assert np.dtype(_C.WORK_RECORD_DTYPE) == worklog.RECORD

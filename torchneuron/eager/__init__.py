@@ -26,7 +26,7 @@ from typing import Iterator
 from torchneuron import settings
 from torchneuron.ops import printing
 from torchneuron.eager.queue_fusion import Executor, KernelCompiler
-from torchneuron.eager.queue import classify, flush_records
+from torchneuron.eager.queue import flush_records, queue_kind
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 __all__ = ["flush", "get_eager_mode", "pending", "set_eager_mode", "set_kernel_compiler", "stats", "suspended"]
@@ -114,7 +114,7 @@ def _install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
-    fast.adaptive_set_callbacks(classify, _flush_records)
+    fast.adaptive_set_callbacks(queue_kind, _flush_records)
     from torchneuron.hardware import timeline
 
     add = getattr(timeline, "add_pending_source", None)

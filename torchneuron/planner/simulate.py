@@ -41,7 +41,7 @@ from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 from torchneuron.eager.queue_fusion import MIN_OPS
 from torchneuron.eager.op_kinds import FUSIBLE_CATEGORIES
 from torchneuron.hardware import Cost, DeviceTimeline, Target, copy_cost, launch_cost, op_cost
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 from torchneuron.ops import policy
 
 from torchneuron.planner.topology import Topology
@@ -154,7 +154,7 @@ FP8 = torch.float8_e4m3fn
 
 def _fp8_inputs(name: str, inputs: tuple) -> tuple:
     """With FP8 training, matmuls read FP8 operands (and run at the target's FP8 rate)."""
-    if classify(name) != "matmul":
+    if op_category(name) != "matmul":
         return inputs
     return tuple((FP8, shape) if dtype.is_floating_point else (dtype, shape) for dtype, shape in inputs)
 
@@ -174,7 +174,7 @@ def _eager_item(event: OpEvent, target: Target, fp8: bool = False) -> Item:
 
 
 def _fusible(event: OpEvent) -> bool:
-    return event.view or classify(event.name) in FUSIBLE_CATEGORIES
+    return event.view or op_category(event.name) in FUSIBLE_CATEGORIES
 
 
 def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -> fx.GraphModule:
@@ -221,7 +221,7 @@ def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -
 def _fp8_kernel(kernel: KernelSpec) -> KernelSpec:
     ops = []
     for op in kernel.ops:
-        if classify(op.op) == "matmul":
+        if op_category(op.op) == "matmul":
             inputs = tuple(TensorSpec("float8_e4m3fn", t.shape) if t.torch_dtype().is_floating_point else t
                            for t in op.inputs)
             op = OpSpec(op.op, inputs, op.outputs)

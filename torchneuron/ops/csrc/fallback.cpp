@@ -61,8 +61,8 @@ static bool schema_returns_view(const c10::FunctionSchema& schema) {
   return false;
 }
 
-static int32_t python_classify(const std::string& name, bool* ok) {
-  static auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_classify_op", "");
+static int32_t python_fallback_policy(const std::string& name, bool* ok) {
+  static auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_fallback_policy", "");
   if (!handle.hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutograd)) {
     *ok = false;  // Python has not registered the policy yet (import in progress)
     return 0;
@@ -99,7 +99,7 @@ static OpEntry& entry_of(const c10::OperatorHandle& op) {
   }
   if (C10_UNLIKELY(!e->classified)) {
     bool ok = false;
-    int32_t policy = python_classify(e->name, &ok);
+    int32_t policy = python_fallback_policy(e->name, &ok);
     if (ok) {
       e->policy = policy;
       e->classified = true;
