@@ -1,7 +1,11 @@
 """Small models shared by test files: each test compares the neuron device (eager, adaptive eager
-or compiled) with the CPU on the same model, built from the same seed."""
+or compiled) with the CPU on the same model, built from the same seed. The transformers are built
+from configs (no hub download); a test that builds one is skipped without transformers."""
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,3 +20,22 @@ class GeluMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+_TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+_TINY_GPT2 = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def tiny_llama(**config: Any) -> torch.nn.Module:
+    """A two-layer LlamaForCausalLM (hidden 32, vocabulary 128 unless `config` says otherwise)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_TINY_LLAMA, **config}))
+
+
+def tiny_gpt2(**config: Any) -> torch.nn.Module:
+    """A two-layer GPT2LMHeadModel without dropout (width 32, vocabulary 128 unless `config` says
+    otherwise)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**_TINY_GPT2, **config}))

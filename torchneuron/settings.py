@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
-MAX_DEVICES = 64  # the C++ runtime's limit (csrc/device.cpp, kMaxDevices)
+MAX_DEVICES = 64  # the C++ runtime's limit (runtime/csrc/device.h, kMaxDevices)
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}

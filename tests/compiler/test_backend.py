@@ -149,12 +149,12 @@ def test_event_timing_around_a_compiled_graph_counts_eager_work_issued_before_it
 
 
 def test_failure_raises_with_reason_or_falls_back_to_eager(fresh_dynamo, monkeypatch):
-    from torchneuron.compiler import fusion
+    from torchneuron.compiler import graph_fusion
 
     def broken_fusion(*args, **kwargs):
         raise RuntimeError("fusion exploded")
 
-    monkeypatch.setattr(fusion, "fuse", broken_fusion)
+    monkeypatch.setattr(graph_fusion, "fuse", broken_fusion)
     monkeypatch.setattr("torchneuron.compiler.pipeline.fuse", broken_fusion)
     x, y = inputs(3)
     with pytest.raises(Exception, match="fusion exploded") as raised:

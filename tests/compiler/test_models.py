@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.models import GeluMLP
+from tests.models import GeluMLP, tiny_gpt2, tiny_llama
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -78,20 +78,6 @@ def test_cnn_training_updates_batchnorm_buffers_and_matches():
     assert int(compiled.bn.num_batches_tracked) == 1
 
 
-def _transformer(kind: str):
-    transformers = pytest.importorskip("transformers")
-    if kind == "llama":
-        config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                          hidden_size=32, intermediate_size=64, vocab_size=128,
-                                          max_position_embeddings=64)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=64,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        model = transformers.GPT2LMHeadModel(config)
-    return model
-
-
 def _to_neuron(model):
     moved = copy.deepcopy(model).to("neuron")
     moved.tie_weights()  # Module.to() re-creates parameters on a new device type: re-tie the embeddings
@@ -102,7 +88,7 @@ def _to_neuron(model):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_tiny_transformer_training_step(kind):
     torch.manual_seed(0)
-    base = _transformer(kind)
+    base = tiny_llama() if kind == "llama" else tiny_gpt2()
     ids = [torch.randint(0, 128, (2, 16)) for _ in range(2)]
 
     def run(model, compiled):

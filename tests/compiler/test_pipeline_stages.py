@@ -6,7 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from torchneuron.compiler import passes
 from torchneuron.compiler.cost import eager_cost, kernel_cost, plan_costs
-from torchneuron.compiler.fusion import build_kernels, fuse
+from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import CPU, DEVICE, HOST, partition
 from torchneuron.compiler.plan import GraphPlan, TensorSpec
 from torchneuron.hardware.model import launch_cost

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from .helpers import batch, cpu_grads, cpu_state, max_diff, mlp
+from .helpers import batch, cpu_grads, cpu_state, data_parallel_reference, max_diff, mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -46,31 +46,12 @@ def _ddp_job(accumulate: int, python_hook: bool) -> dict:
     return out
 
 
-def _reference(world: int, accumulate: int) -> dict:
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = {"losses": []}
-    for step in range(STEPS):
-        for micro in range(accumulate):
-            for rank in range(world):
-                x, y = batch(step * accumulate + micro, rank)
-                loss = F.mse_loss(model(x), y) / accumulate
-                (loss / world).backward()  # DDP averages gradients over ranks
-                out["losses"].append((rank, loss.item()))
-        if step == 0:
-            out["grads"] = cpu_grads(model)
-        optimizer.step()
-        optimizer.zero_grad()
-    out["params"] = cpu_state(model)
-    return out
-
-
 @pytest.mark.parametrize("world,accumulate,python_hook", [(2, 1, False), (2, 2, False), (2, 1, True), (4, 2, False)],
                          ids=["2ranks", "2ranks_accumulate2_no_sync", "2ranks_allreduce_hook_bucket_views",
                               "4ranks_accumulate2_no_sync"])
 def test_ddp_matches_single_process(request, world, accumulate, python_hook):
     ranks = request.getfixturevalue(f"pool{world}").run(_ddp_job, (accumulate, python_hook), timeout=150)
-    reference = _reference(len(ranks), accumulate)
+    reference = data_parallel_reference(len(ranks), STEPS, accumulate)
     for rank, out in enumerate(ranks):
         expected_losses = [loss for r, loss in reference["losses"] if r == rank]
         assert out["losses"] == pytest.approx(expected_losses, rel=1e-5)

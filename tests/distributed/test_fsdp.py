@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .helpers import batch, cpu_grads, cpu_state, max_diff, mlp
+from .helpers import batch, cpu_grads, cpu_state, max_diff, mlp, sgd_reference
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -48,27 +48,19 @@ def _fsdp_job(reshard_after_forward: bool) -> dict:
 
 def _reference(world: int) -> dict:
     """fp32 master weights; each rank's forward/backward on a bf16 copy; fp32 mean of the bf16 grads."""
-    master = mlp()
-    optimizer = torch.optim.SGD(master.parameters(), lr=0.1)
-    out = {"losses": []}
-    for step in range(STEPS):
+    def set_grads(master: torch.nn.Module, step: int, losses: list) -> None:
         grads = [torch.zeros_like(p) for p in master.parameters()]
         for rank in range(world):
             low = copy.deepcopy(master).to(torch.bfloat16)
             x, y = batch(step, rank)
             loss = F.mse_loss(low(x.to(torch.bfloat16)).float(), y)
             loss.backward()
-            out["losses"].append((rank, loss.item()))
+            losses.append((rank, loss.item()))
             for total, p in zip(grads, low.parameters()):
                 total += p.grad.float()
         for p, total in zip(master.parameters(), grads):
             p.grad = total / world
-        if step == 0:
-            out["grads"] = cpu_grads(master)
-        optimizer.step()
-        optimizer.zero_grad()
-    out["params"] = cpu_state(master)
-    return out
+    return sgd_reference(STEPS, set_grads)
 
 
 @pytest.mark.parametrize("world,reshard_after_forward", [(2, True), (2, False), (4, True)],

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .helpers import batch, norm_mlp
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 STEPS = 2
@@ -45,16 +47,6 @@ def configs() -> list[tuple[str, dict[str, Any]]]:
         if name in FUSED:
             out.append((name, {**kwargs, "fused": True}))
     return out + [("LBFGS", {"lr": 0.5, "history_size": 3, "max_iter": 2}), ("Muon", {"lr": 0.02})]
-
-
-def model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 4))
-
-
-def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(ROWS, 16, generator=generator), torch.randn(ROWS, 4, generator=generator)
 
 
 def optimizer(name: str, kwargs: dict[str, Any], module: nn.Module) -> torch.optim.Optimizer:
@@ -107,11 +99,11 @@ def _job(kind: str, cases: list[tuple[str, dict[str, Any]]], device: str = "neur
     shard = 0 if kind == "tp" else rank  # tensor-parallel ranks see the same data
     out: dict[int, Any] = {}
     for index, (name, kwargs) in enumerate(cases):
-        module = model().to(device)
+        module = norm_mlp().to(device)
         wrapped = _parallel(kind, module, device)
         try:
             opt = optimizer(name, kwargs, module)
-            train(wrapped, opt, [tuple(t.to(device) for t in data(s, shard)) for s in range(STEPS)])
+            train(wrapped, opt, [tuple(t.to(device) for t in batch(s, shard, rows=ROWS)) for s in range(STEPS)])
             out[index] = full_params(module)
         except Exception:  # noqa: BLE001  (reported per case)
             out[index] = traceback.format_exc(limit=-4)
@@ -121,9 +113,9 @@ def _job(kind: str, cases: list[tuple[str, dict[str, Any]]], device: str = "neur
 
 def _reference(kind: str, name: str, kwargs: dict[str, Any], world: int) -> dict[str, torch.Tensor]:
     """One CPU process over every rank's data (data-parallel ranks' mean loss is the whole batch's)."""
-    module = model()
+    module = norm_mlp()
     shards = [0] if kind == "tp" else range(world)
-    batches = [tuple(torch.cat(parts) for parts in zip(*(data(s, r) for r in shards))) for s in range(STEPS)]
+    batches = [tuple(torch.cat(parts) for parts in zip(*(batch(s, r, rows=ROWS) for r in shards))) for s in range(STEPS)]
     train(module, optimizer(name, kwargs, module), batches)
     return full_params(module)
 

@@ -8,7 +8,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
-from .helpers import batch, cpu_grads, max_diff, mlp
+from .helpers import batch, data_parallel_reference, max_diff, mlp
 from torchneuron.distributed.parallel import sharded_parameters, simple_fsdp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -52,26 +52,9 @@ def _simple_fsdp_job() -> dict:
     return out
 
 
-def _reference(world: int) -> dict:
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = {"losses": []}
-    for step in range(STEPS):
-        for rank in range(world):
-            x, y = batch(step, rank)
-            loss = F.mse_loss(model(x), y)
-            (loss / world).backward()
-            out["losses"].append((rank, loss.item()))
-        if step == 0:
-            out["grads"] = cpu_grads(model)
-        optimizer.step()
-        optimizer.zero_grad()
-    return out
-
-
 def test_simple_fsdp_eager_and_compiled_match_single_process(pool2):
     ranks = pool2.run(_simple_fsdp_job, timeout=200)
-    reference = _reference(len(ranks))
+    reference = data_parallel_reference(len(ranks), STEPS)
     for rank, out in enumerate(ranks):
         for mode in ("eager", "compiled"):
             assert out[mode]["local_rows"] == 32 // len(ranks)

@@ -15,15 +15,12 @@ import torch.nn as nn
 
 from torchneuron.distributed import free_port
 
+from .helpers import norm_mlp
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 3
-
-
-def tp_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 4))
 
 
 def tp_batch(step: int) -> torch.Tensor:
@@ -50,7 +47,7 @@ def rank_main(destroy: bool, out: str) -> None:
     dist.init_process_group("neuron")
     rank = dist.get_rank()
     mesh = init_device_mesh("neuron", (dist.get_world_size(),))
-    model = parallelize_module(tp_model().to("neuron"), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model = parallelize_module(norm_mlp().to("neuron"), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     train(model, "neuron")
     params = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().tolist()
               for k, p in model.named_parameters()}
@@ -98,7 +95,7 @@ def test_two_ranks_exit_zero_and_tp_sgd_matches_one_process(destroy, tmp_path):
     for rank, result in enumerate(ranks):
         assert result.returncode == 0, f"rank {rank} exited with {result.returncode}:\n{result.stdout[-3000:]}"
         assert "terminate called" not in result.stdout
-    reference = tp_model()
+    reference = norm_mlp()
     train(reference, "cpu")
     for name, value in reference.named_parameters():
         torch.testing.assert_close(torch.tensor(params[name]), value.detach(), rtol=1e-5, atol=1e-6)

@@ -14,6 +14,8 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 from torchao.quantization import quant_api as q  # noqa: E402
 from torchao.quantization import quantize_  # noqa: E402
 
+from tests.models import tiny_llama as _tiny_llama  # noqa: E402
+
 from .training import train_losses  # noqa: E402
 
 VOCAB = 128
@@ -22,9 +24,7 @@ PROMPT = torch.tensor([[5, 17, 42, 7]])
 
 def tiny_llama(dtype=torch.float32):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    return _tiny_llama(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_attention_heads=4).to(dtype)
 
 
 def _fp8_linears(module, fqn):

@@ -6,6 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.models import tiny_gpt2 as _tiny_gpt2  # noqa: E402
+
 from .training import train_losses  # noqa: E402
 
 
@@ -16,9 +18,7 @@ def tiny_llama():
 
 
 def tiny_gpt2():
-    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+    return _tiny_gpt2(n_embd=64, n_head=4)
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])

@@ -7,7 +7,7 @@ import torchneuron  # noqa: F401  (registers the neuron device)
 import torchneuron.nki as nki
 from torchneuron.hardware import timeline
 from torchneuron.kernels import norms
-from torchneuron.kernels import ops as kops
+from torchneuron.kernels import torch_ops as kops
 
 
 def test_kernel_on_neuron_tensors_runs_on_device_and_is_charged():

@@ -20,7 +20,7 @@ import torch
 import torchneuron.eager as eager
 from tests.ops.opinfo_sweep import expected_runs, shard_names, sweep
 from tests.ops.test_opinfo import KNOWN_FAILURES
-from torchneuron.eager.fusion import Executor
+from torchneuron.eager.queue_fusion import Executor
 
 # ~6 min of one core in all on a fresh machine (plain eager's sweep: ~35 s), mostly compiling fused runs
 pytestmark = pytest.mark.slow

@@ -6,11 +6,11 @@ import torch
 
 from torchneuron.ops import policy
 from torchneuron.runtime import _C, worklog
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 
 def test_record_dtype_is_the_cpp_struct():
-    assert worklog.RECORD.itemsize == int(ops().worklog_record_size())
+    assert worklog.RECORD.itemsize == int(runtime_ops().worklog_record_size())
     assert worklog.RECORD.names[:3] == ("kind", "op_id", "device")
     assert worklog.RECORD["sigs"].shape == (worklog.MAX_SIGS,)
 
@@ -33,6 +33,6 @@ def test_enums_are_distinct_and_flags_are_bits():
     for bits in (_C.WORK_FLAGS.values(), _C.OP_POLICY.values()):
         bits = list(bits)
         assert all(b > 0 and b & (b - 1) == 0 for b in bits) and len(set(bits)) == len(bits)
-    assert policy.classify_op("aten::linalg_svd") & policy.HOST_ONLY
+    assert policy.fallback_policy("aten::linalg_svd") & policy.HOST_ONLY
     assert set(_C.QUEUE_KINDS) >= {"SYNC", "FUNCTIONAL", "INPLACE", "ALLOCATE", "VIEW", "OUT", "RANDOM_BIT"}
     assert np.dtype(_C.WORK_RECORD_DTYPE) == worklog.RECORD

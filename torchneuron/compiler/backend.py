@@ -7,7 +7,7 @@ compiled callable. Stages, each its own module:
 2. decompositions.py: the core op set AOTAutograd lowers the graph to, for inference or for
    forward and backward (Inductor's `compile_fx` drives AOTAutograd and its partitioner);
 3. pipeline.py (run by Inductor on each post-autograd graph): passes.py, partition.py,
-   fusion.py, leaving the graph's kernel plan;
+   graph_fusion.py, leaving the graph's kernel plan;
 4. codegen.py: Inductor's C++ code generation for the device, with the plan embedded;
    program.py charges the plan to the device timeline when the graph runs;
 5. cache.py: compiled graphs in memory and on disk; artifacts.py: the dump directory.

@@ -1,7 +1,7 @@
 """The kernel compiler of adaptive eager mode: a run of queued ops -> one fused program.
 
 `compile_replay(replay, example_inputs, n_inputs)` traces the run's replay function
-(torchneuron.eager.fusion; its first `n_inputs` tensors are the run's inputs, the rest the output
+(torchneuron.eager.queue_fusion; its first `n_inputs` tensors are the run's inputs, the rest the output
 buffers it writes) to an ATen graph in the compiler's core op set without mutations (mutations of
 inputs and output buffers become copies at its end; views stay views: traced as view copies, a
 program's `as_strided` views of values it mutated computed wrong results) and compiles it with

@@ -45,7 +45,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from torchneuron.compiler.lowerings import register_eager_kernel_lowering
-from torchneuron.hardware.taxonomy import base_name, classify
+from torchneuron.hardware.taxonomy import base_name, op_category
 
 # Ops whose generated code rounds as ATen's kernel (their base names, without the in-place "_"),
 # besides the model's "view" category. A name missing here only costs speed: the op is called.
@@ -96,7 +96,7 @@ def exact_op(op: Any) -> bool:
     name = op.name() if hasattr(op, "name") else str(op)
     base = _base_name(name)
     overload = f"{base}.{getattr(op, '_overloadname', '')}"
-    return (base in EXACT and overload not in INEXACT_OVERLOADS) or classify(name) == "view"
+    return (base in EXACT and overload not in INEXACT_OVERLOADS) or op_category(name) == "view"
 
 
 def _result_dtypes(node: Node) -> set[torch.dtype]:
@@ -115,7 +115,7 @@ def _constant_fill(arg: Any) -> bool:
     """Whether `arg` is a node filling a tensor with a value known when compiling (Inductor then
     folds it into the code that reads it)."""
     return (isinstance(arg, Node) and isinstance(arg.target, torch._ops.OpOverload)
-            and classify(arg.target.name()) == "fill"
+            and op_category(arg.target.name()) == "fill"
             and not any(isinstance(a, Node) for a in torch.utils._pytree.tree_leaves((arg.args, arg.kwargs))))
 
 
@@ -137,7 +137,7 @@ def generated_as_eager(node: Node) -> bool:
         # Constants are not rounded to the dtype in generated code; ATen rounds fill values, and
         # the scalar operand of add and sub (not of mul or div), to it first.
         dtype = next(iter(dtypes & _REDUCED))
-        if (name in _SCALED or classify(node.target.name()) == "fill") and any(
+        if (name in _SCALED or op_category(node.target.name()) == "fill") and any(
                 float(torch.tensor(n, dtype=dtype)) != n for n in _numbers((node.args, node.kwargs))):
             return False
     if name == "div" and len(node.args) > 1:

@@ -2,7 +2,7 @@
 
 Every node that computes gets a placement:
 
-- "device": the NeuronCore runs it (fused into kernels by fusion.py);
+- "device": the NeuronCore runs it (fused into kernels by graph_fusion.py);
 - "host": a CPU fallback, by the runtime's policy (`torchneuron.ops.policy`: ops without a
   NeuronCore implementation) or because a tensor has a dtype the target lacks (float64,
   complex). Host ops are charged as host round trips, warned about once per op, and make
@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves
 
 from torchneuron.compiler.errors import NeuronCompileError
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 from torchneuron.hardware.targets import Target, get_target
 from torchneuron.ops import policy
 
@@ -71,7 +71,7 @@ def is_transparent(node: Node) -> bool:
         return isinstance(node.meta.get("val"), _SCALARS)  # operator.mul, sym_float, ... on scalars
     name = op_name(node)
     packet = name.split(".")[0]
-    return classify(name) == "view" or packet in VIEW_COPIES or packet in SIZE_QUERIES
+    return op_category(name) == "view" or packet in VIEW_COPIES or packet in SIZE_QUERIES
 
 
 @dataclass

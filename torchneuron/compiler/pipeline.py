@@ -6,7 +6,7 @@ so it runs inside Inductor after decomposition and autograd, before lowering, an
 
 1. passes.py: dead code, constant folding, layout and dtype normalisation;
 2. partition.py: device / host-fallback / cpu placement of every op;
-3. fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
+3. graph_fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
 4. nki_kernels.lower_to_host: NKI-kernel ops become the host kernels they execute as;
 5. for adaptive eager's programs (eager_numerics.py), ops whose generated code would round
    unlike the eager kernel are called as that kernel;
@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 
 from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, nki_kernels
 from torchneuron.compiler.cost import eager_cost, plan_costs
-from torchneuron.compiler.fusion import build_kernels, fuse
+from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
 from torchneuron.compiler.passes import run_passes
 from torchneuron.compiler.plan import PLAN_META_KEY, GraphPlan

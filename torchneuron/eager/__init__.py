@@ -4,7 +4,7 @@
 
 Eager ops on neuron tensors are queued instead of run one by one; at a flush, runs
 of queued ops are fused by heuristics and dispatched as one kernel each, compiled once and
-cached by their signature (fusion.py). Results (bit for bit), stream order, random numbers and
+cached by their signature (queue_fusion.py). Results (bit for bit), stream order, random numbers and
 aliasing are plain eager's: a fused program generates code only for ops whose generated code
 rounds as the eager kernel does, and calls the eager kernel for the others (transcendentals,
 reductions, norms; torchneuron/compiler/eager_numerics.py). Reading data on the host (`item`,
@@ -13,7 +13,7 @@ first, and so do `flush()` and the device timeline's readers. Off under
 `torch.use_deterministic_algorithms(True)`.
 
 The queue is C++, inside the device's fallback (eager/csrc/queue.cpp: about a microsecond
-per op); queue.py and fusion.py are its Python side, called once per new op and once per new
+per op); queue.py and queue_fusion.py are its Python side, called once per new op and once per new
 sequence of queued ops. The mode is on for the thread that enables it (the thread autograd's
 backward runs on, as the runtime keeps autograd single-threaded). Fused kernels are compiled by
 the function registered with `set_kernel_compiler` (the compiler package registers Inductor's).
@@ -25,8 +25,8 @@ from typing import Iterator
 
 from torchneuron import settings
 from torchneuron.ops import printing
-from torchneuron.eager.fusion import Executor, KernelCompiler
-from torchneuron.eager.queue import classify, flush_records
+from torchneuron.eager.queue_fusion import Executor, KernelCompiler
+from torchneuron.eager.queue import flush_records, queue_kind
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 __all__ = ["flush", "get_eager_mode", "pending", "set_eager_mode", "set_kernel_compiler", "stats", "suspended"]
@@ -114,7 +114,7 @@ def _install_hooks() -> None:
     global _hooks_installed
     if _hooks_installed:
         return
-    fast.adaptive_set_callbacks(classify, _flush_records)
+    fast.adaptive_set_callbacks(queue_kind, _flush_records)
     from torchneuron.hardware import timeline
 
     add = getattr(timeline, "add_pending_source", None)

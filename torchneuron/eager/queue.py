@@ -4,9 +4,9 @@ The queue itself is C++ (`eager/csrc/queue.cpp`, inside the device's boxed fallb
 queues ops, learns their output shapes, tracks where each argument comes from, and replays a
 queue it has seen before from a cached plan. It calls Python for two things:
 
-- `classify(name)`: once per operator, what the queue may do with it (ops.op_info);
+- `queue_kind(name)`: once per operator, what the queue may do with it (op_kinds.op_info);
 - `flush_records(records)`: once per queue it has no plan for. The records become `Entry`
-  objects, fusion.py's Executor runs them (fusing where it pays), and the plan it followed goes
+  objects, queue_fusion.py's Executor runs them (fusing where it pays), and the plan it followed goes
   back to C++: which entries ran eagerly, which ran as one fused program, and that program's
   inputs and outputs, which C++ checks against its own before caching the plan. A plan that
   depended on a decision Python will revisit (a run seen once is not compiled yet) is not final
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from torchneuron.eager.ops import ALLOCATE, QUEUE, SYNC, VIEW, OpInfo, flat_tensors, op_info, traceable_overload
+from torchneuron.eager.op_kinds import ALLOCATE, QUEUE, SYNC, VIEW, OpInfo, flat_tensors, op_info, traceable_overload
 from torchneuron.runtime.worklog import worklog_paused
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
 FLOAT = ("float",)  # a float argument in a signature (its value is kept apart)
-# record kinds and classify() codes, defined once in C++ (csrc/queue.h: Kind, kRandomBit)
+# record kinds and queue_kind() codes, defined once in C++ (csrc/queue.h: Kind, kRandomBit)
 _CODES = fast.QUEUE_KINDS
 FUNCTIONAL, INPLACE, VIEW_RECORD, WRITES_OUT = (_CODES[k] for k in ("FUNCTIONAL", "INPLACE", "VIEW", "OUT"))
 RANDOM_BIT = _CODES["RANDOM_BIT"]
@@ -109,7 +109,7 @@ def resolve(name: str) -> Any:
     return func
 
 
-def classify(name: str) -> int:
+def queue_kind(name: str) -> int:
     """What the C++ queue may do with an operator: queue.cpp's Kind, plus RANDOM_BIT."""
     func = resolve(name)
     if func is None:

@@ -5,7 +5,7 @@ log and devices, nothing above. Modules:
 
 - targets.py: the machines (trn1, trn2, trn3) and the current target;
 - instructions.py: the cost of one NeuronCore instruction (the NKI simulator's interface);
-- taxonomy.py: the category of an aten op by name (`classify`), shared with eager and the compiler;
+- taxonomy.py: the category of an aten op by name (`op_category`), shared with eager and the compiler;
 - model.py: the cost of one aten op, copy or collective (`op_cost`, `Cost`);
 - timeline.py: per-device stream clocks of modeled device time, and their listeners;
 - estimate.py: the `estimate()` context manager summarising a region's device work;

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from .instructions import contraction_rows, dma_timing, engine_seconds, matmul_pass_cycles
-from .taxonomy import base_name, classify, split_names
+from .taxonomy import base_name, op_category, split_names
 from .targets import Target, get_target
 
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
     "collective_cost",
     "paged_attention_cost",
     "kv_cache_write_cost",
-    "classify",
+    "op_category",
     "COLLECTIVE_KINDS",
     "COPY_KINDS",
 ]
@@ -662,7 +662,7 @@ _FLOPS_PER_ELEMENT = {"softmax": 5.0, "softmax_backward": 3.0, "norm": 7.0, "nor
 
 
 def _device_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
-    category = classify(op)
+    category = op_category(op)
     name = base_name(op)
     work: _Work | None = None
     special = _SPECIAL_WORK.get(name)

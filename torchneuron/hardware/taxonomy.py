@@ -94,7 +94,7 @@ def base_name(op: str) -> str:
     return name
 
 
-def classify(op: str) -> str:
+def op_category(op: str) -> str:
     """The model's category of an aten op name ("matmul", "elementwise", "gather", ...)."""
     name = base_name(op)
     if name in _CATEGORY:

@@ -19,7 +19,7 @@ from torchneuron.hardware import model as perf_model
 from torchneuron.hardware.targets import on_target_change
 from torchneuron.hardware import timeline as device_timeline
 from torchneuron.hardware.timeline import add_pending_source
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 from torchneuron.runtime.worklog import (
     COPY, DEVICE_TO_DEVICE, EVENT_RECORD, EVENT_WAIT, FALLBACK, HOST_TO_DEVICE, RECORD, SYNC_DEVICE, SYNC_EVENT,
     SYNC_STREAM, check_layout, is_enabled, op_name, set_enabled, signature, take,
@@ -238,8 +238,8 @@ def charge(name: str, cost: Any, device: int | None = None, stream: int | None =
     the device timeline, in order after everything already logged. Returns its (start, end) in
     modeled seconds. `device`/`stream` default to the current device and its current stream."""
     drain()
-    index = int(ops().current_device()) if device is None else int(device)
-    stream_id = int(ops().current_stream_id(index)) if stream is None else int(stream)
+    index = int(runtime_ops().current_device()) if device is None else int(device)
+    stream_id = int(runtime_ops().current_stream_id(index)) if stream is None else int(stream)
     return device_timeline.get_timeline(index).enqueue(stream_id, cost, name, meta)
 
 

@@ -17,7 +17,8 @@ import torch
 from . import dtypes as _dt
 from .errors import DTypeError, EngineRuleError, NKIError, ShapeError
 from .simulator import Run, current
-from .tile import HBM_KINDS, IndexExpr, Predicate, Tile
+from .indexing import IndexExpr, Predicate
+from .tile import HBM_KINDS, Tile
 
 Scalar = (int, float, bool, np.integer, np.floating, np.bool_)
 

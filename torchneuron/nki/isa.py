@@ -16,7 +16,8 @@ import torch
 from . import engines as _E
 from .errors import NKIError, ShapeError
 from .simulator import current
-from .tile import IndexExpr, Predicate, Tile
+from .indexing import IndexExpr, Predicate
+from .tile import Tile
 
 tensor_engine = "tensor"
 vector_engine = "vector"

@@ -21,7 +21,8 @@ from .dtypes import bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, tfloat32 
 from .errors import NKIError, ShapeError
 from .simulator import current
 from . import tile as _tile
-from .tile import ArangeRoot, GridIndex, IndexExpr, MGrid, Predicate, Tile, ds, par_dim  # noqa: F401
+from .indexing import ArangeRoot, GridIndex, IndexExpr, MGrid, Predicate, ds, par_dim  # noqa: F401
+from .tile import Tile  # noqa: F401
 
 # ----------------------------------------------------------------------------- dtypes
 float32, float16, int8, int16, int32, uint8, uint16, uint32 = (

@@ -4,7 +4,7 @@ Every op executes on the host in this software device, but the *policy* decides 
 modeled Trainium does: an op listed here (or any op on float64/complex data, which the hardware
 lacks, but for the float64 elementwise arithmetic the engines emulate) is a CPU fallback: it is counted, warned about once, charged as a host round trip on the
 device timeline, and refused in strict mode (TORCHNEURON_STRICT=1 or set_strict(True)).
-The C++ fallback asks `classify_op` once per operator.
+The C++ fallback asks `fallback_policy` once per operator.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from torchneuron.hardware.model import FP64_EMULATED_OPS
 from torchneuron.runtime import _C
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 # The policy bits, defined once in C++ (csrc/neuron.h: OpPolicy):
 HOST_ONLY = _C.OP_POLICY["HOST_ONLY"]          # no NeuronCore implementation: runs on the host CPU
@@ -56,7 +56,7 @@ DATA_MOVEMENT_OPS = frozenset({
 })
 
 
-def classify_op(name: str) -> int:
+def fallback_policy(name: str) -> int:
     """Policy bits for one overload name such as 'aten::linalg_svd' or 'aten::add.Tensor'."""
     base = name.split(".")[0]
     policy = 0
@@ -75,7 +75,7 @@ def classify_op(name: str) -> int:
 
 def runs_natively(name: str) -> bool:
     """True when the NeuronCore has an implementation of the op (for float types it supports)."""
-    return not classify_op(name) & HOST_ONLY
+    return not fallback_policy(name) & HOST_ONLY
 
 
 class CPUFallbackWarning(UserWarning):
@@ -91,21 +91,21 @@ def on_fallback(name: str, reason: str) -> None:
 
 def fallback_counts() -> dict[str, int]:
     """How often each op fell back to the CPU since start (or the last reset)."""
-    names, counts = ops().host_fallback_counts()
+    names, counts = runtime_ops().host_fallback_counts()
     return dict(zip(names, counts))
 
 
 def reset_fallback_counts() -> None:
-    ops().reset_host_fallback_counts()
+    runtime_ops().reset_host_fallback_counts()
 
 
 def set_strict(on: bool = True) -> None:
     """In strict mode, an op that would fall back to the CPU raises NotImplementedError instead."""
-    ops().set_strict(bool(on))
+    runtime_ops().set_strict(bool(on))
 
 
 def is_strict() -> bool:
-    return bool(ops().strict())
+    return bool(runtime_ops().strict())
 
 
 _registrations: list[torch.library.Library] = []
@@ -114,7 +114,7 @@ _registrations: list[torch.library.Library] = []
 def install() -> None:
     """Registers the Python side of the policy with the C++ fallback."""
     lib = torch.library.Library("torchneuron", "IMPL")
-    lib.impl("_classify_op", classify_op, "CompositeExplicitAutograd")
+    lib.impl("_fallback_policy", fallback_policy, "CompositeExplicitAutograd")
     lib.impl("_on_fallback", on_fallback, "CompositeExplicitAutograd")
     _registrations.append(lib)
-    ops().reclassify_ops()
+    runtime_ops().reclassify_ops()

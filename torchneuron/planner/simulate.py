@@ -5,14 +5,14 @@ Pricing reuses the performance model as each mode's runtime uses it:
 - eager: every op is one kernel, `hardware.op_cost` plus `hardware.launch_cost` (what the
   runtime's work log charges; ops without a NeuronCore implementation are host fallbacks
   priced as host round trips, views are free);
-- adaptive: maximal runs of ops adaptive eager may fuse (`eager.ops.FUSIBLE_CATEGORIES`, at
-  least `eager.fusion.MIN_OPS` of them) are compiled, the rest run eagerly; collectives and
+- adaptive: maximal runs of ops adaptive eager may fuse (`eager.op_kinds.FUSIBLE_CATEGORIES`, at
+  least `eager.queue_fusion.MIN_OPS` of them) are compiled, the rest run eagerly; collectives and
   other synchronising ops end a run;
 - compiled: the ops between two collectives form one graph (a collective issued from
   Python, as FSDP's hooks do, breaks a torch.compile graph).
 
 A run or graph is compiled by the compiler itself: the recorded ops become an FX graph whose
-nodes carry meta values, which `compiler.partition`, `compiler.fusion.fuse` and
+nodes carry meta values, which `compiler.partition`, `compiler.graph_fusion.fuse` and
 `build_kernels` turn into kernels, priced by `compiler.cost.kernel_cost`. A tensor a later
 op reads (or an input an op mutates) is a graph output, so it is written to HBM.
 
@@ -35,13 +35,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from torchneuron.compiler.cost import kernel_cost
-from torchneuron.compiler.fusion import build_kernels, fuse
+from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
-from torchneuron.eager.fusion import MIN_OPS
-from torchneuron.eager.ops import FUSIBLE_CATEGORIES
+from torchneuron.eager.queue_fusion import MIN_OPS
+from torchneuron.eager.op_kinds import FUSIBLE_CATEGORIES
 from torchneuron.hardware import Cost, DeviceTimeline, Target, copy_cost, launch_cost, op_cost
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 from torchneuron.ops import policy
 
 from torchneuron.planner.topology import Topology
@@ -154,7 +154,7 @@ FP8 = torch.float8_e4m3fn
 
 def _fp8_inputs(name: str, inputs: tuple) -> tuple:
     """With FP8 training, matmuls read FP8 operands (and run at the target's FP8 rate)."""
-    if classify(name) != "matmul":
+    if op_category(name) != "matmul":
         return inputs
     return tuple((FP8, shape) if dtype.is_floating_point else (dtype, shape) for dtype, shape in inputs)
 
@@ -174,7 +174,7 @@ def _eager_item(event: OpEvent, target: Target, fp8: bool = False) -> Item:
 
 
 def _fusible(event: OpEvent) -> bool:
-    return event.view or classify(event.name) in FUSIBLE_CATEGORIES
+    return event.view or op_category(event.name) in FUSIBLE_CATEGORIES
 
 
 def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -> fx.GraphModule:
@@ -221,7 +221,7 @@ def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -
 def _fp8_kernel(kernel: KernelSpec) -> KernelSpec:
     ops = []
     for op in kernel.ops:
-        if classify(op.op) == "matmul":
+        if op_category(op.op) == "matmul":
             inputs = tuple(TensorSpec("float8_e4m3fn", t.shape) if t.torch_dtype().is_floating_point else t
                            for t in op.inputs)
             op = OpSpec(op.op, inputs, op.outputs)

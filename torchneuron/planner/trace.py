@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 
 COLLECTIVES = {
     "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
@@ -239,7 +239,7 @@ class Tracer(TorchDispatchMode):
             tuple(id(t) for t in tensors_in), tuple(id(t) for t in tensors_out),
             pytree.tree_map(_meta, out),
             tuple(k for k in map(_storage_key, tensors_in) if k is not None), self.phase,
-            classify(name) == "view"))
+            op_category(name) == "view"))
         return out
 
     def _collective(self, func, args, kwargs, flat, out) -> None:

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import torch
 
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 from torchneuron.hardware.targets import get_target
 from torchneuron.profiler.events import DeviceEvent
 from torchneuron.runtime import worklog
@@ -77,7 +77,7 @@ def _kind(meta: dict | None, name: str) -> tuple[str, str]:
     if kind == "collective" or name.startswith("c10d::"):
         return "collective", "collective"
     if kind in ("fused", "graph", "op", "copy"):
-        return kind, classify(name) if kind == "op" else kind
+        return kind, op_category(name) if kind == "op" else kind
     return "other", kind or "other"
 
 
@@ -103,7 +103,7 @@ def build_events(capture: "DeviceCapture", store: "_Store") -> list[DeviceEvent]
                 host_fallback_us = float(store.batches[batch][row]["host_seconds"]) * 1e6
         if batch >= 0:
             kind = "copy" if decoded["copy_kind"] else "op"
-            category = classify(name) if kind == "op" else kind
+            category = op_category(name) if kind == "op" else kind
         else:
             kind, category = _kind(meta, name)
         if ctx >= 0:

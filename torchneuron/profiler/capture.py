@@ -41,7 +41,7 @@ from torchneuron.hardware.targets import get_target
 from torchneuron.hardware import worklog
 from torchneuron.profiler.attribution import build_events
 from torchneuron.profiler.events import DeviceEvent, MemorySample
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 __all__ = ["DeviceEvent", "DeviceCapture", "MemorySample", "active_capture"]
 
@@ -195,7 +195,7 @@ class DeviceCapture:
     """Records device work between start() and stop(); see the module docstring."""
 
     def __init__(self, profile_memory: bool = False, max_events: int = MAX_EVENTS) -> None:
-        self._threshold_before = int(ops().worklog_threshold())
+        self._threshold_before = int(runtime_ops().worklog_threshold())
         self.profile_memory = profile_memory
         self.max_events = max_events
         self.events: list[DeviceEvent] = []
@@ -228,8 +228,8 @@ class DeviceCapture:
         worklog.add_drain_hook(self._on_drain)
         device_timeline.add_listener(self._on_entry)
         worklog.set_full_handler(self._on_record)
-        self._threshold_before = int(ops().worklog_threshold())
-        ops().set_worklog_threshold(1)
+        self._threshold_before = int(runtime_ops().worklog_threshold())
+        runtime_ops().set_worklog_threshold(1)
         return self
 
     def stop(self) -> "DeviceCapture":
@@ -241,7 +241,7 @@ class DeviceCapture:
             worklog.set_full_handler(None)
             worklog.drain()
         finally:
-            ops().set_worklog_threshold(self._threshold_before)
+            runtime_ops().set_worklog_threshold(self._threshold_before)
             worklog.set_full_handler(None)
             worklog.remove_drain_hook(self._on_drain)
             device_timeline.remove_listener(self._on_entry)
@@ -263,7 +263,7 @@ class DeviceCapture:
         store = self.store
         ctx = store.add_context(sys._getframe(2))  # the frame that issued the op (1 is worklog._on_full)
         if self.profile_memory:
-            device = int(ops().current_device())
+            device = int(runtime_ops().current_device())
             store.memory[ctx] = (device, *_device_stats(device))
         if len(store.t_ns) - self._assigned >= BATCH:
             worklog.drain()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from torchneuron.runtime import autograd_threads
-from torchneuron.runtime.extension import load_runtime_library, ops
+from torchneuron.runtime.extension import load_runtime_library, runtime_ops
 
 _registered = False
 
@@ -18,7 +18,7 @@ _registered = False
 def host_view(tensor: torch.Tensor) -> torch.Tensor:
     """A zero-copy CPU tensor over a neuron tensor's bytes (keeps the device memory alive)."""
     with torch.no_grad():
-        return ops().host_view(tensor)
+        return runtime_ops().host_view(tensor)
 
 
 def register() -> None:

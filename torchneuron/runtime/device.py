@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 _initialized = False
 _in_bad_fork = False
@@ -60,18 +60,18 @@ def _after_fork_in_child() -> None:
     if _initialized:
         _initialized = False
         _in_bad_fork = True
-        ops().require_device_init()
+        runtime_ops().require_device_init()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def device_count() -> int:
-    return int(ops().device_count())
+    return int(runtime_ops().device_count())
 
 
 def current_device() -> int:
-    return int(ops().current_device())
+    return int(runtime_ops().current_device())
 
 
 def device_index(device: Any = None, optional: bool = True) -> int:
@@ -100,7 +100,7 @@ def set_device(device: Any) -> None:
     other launch helpers see the choice as the user's and keep it)."""
     index = device_index(device)
     _lazy_init()
-    ops().set_device(index)
+    runtime_ops().set_device(index)
 
 
 class device:

@@ -38,10 +38,11 @@ def _configure(config: settings.Settings) -> None:
     from torchneuron.runtime import _C
 
     _C.configure(device_count=config.device_count, plan_cache=not config.adaptive_no_plan_cache)
-    ops().set_strict(config.strict)
-    ops().set_worklog_enabled(config.timeline)
+    runtime_ops().set_strict(config.strict)
+    runtime_ops().set_worklog_enabled(config.timeline)
 
 
-def ops():
-    """The `torch.ops.torchneuron` namespace of runtime primitives."""
+def runtime_ops() -> torch._ops._OpNamespace:
+    """The `torch.ops.torchneuron` namespace: the ops the C++ library registers (device, memory,
+    random state, work log, fallback counters)."""
     return torch.ops.torchneuron

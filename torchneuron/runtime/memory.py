@@ -14,7 +14,7 @@ import torch
 
 from torchneuron import settings
 from torchneuron.runtime.device import device_count, device_index
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 
 def configure_capacity(default_nbytes: int) -> None:
@@ -22,18 +22,18 @@ def configure_capacity(default_nbytes: int) -> None:
     override = settings.current().memory_capacity
     nbytes = override if override is not None else int(default_nbytes)
     for index in range(device_count()):
-        ops().set_memory_capacity(index, nbytes)
+        runtime_ops().set_memory_capacity(index, nbytes)
 
 
 def set_capacity(nbytes: int, device: Any = None) -> None:
     """Changes the modeled HBM capacity of one device (all devices when device is "all")."""
     indices = range(device_count()) if device == "all" else [device_index(device)]
     for index in indices:
-        ops().set_memory_capacity(index, int(nbytes))
+        runtime_ops().set_memory_capacity(index, int(nbytes))
 
 
 def capacity(device: Any = None) -> int:
-    return int(ops().memory_capacity(device_index(device)))
+    return int(runtime_ops().memory_capacity(device_index(device)))
 
 
 def _dev(device: Any) -> torch.device:
@@ -118,7 +118,7 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
         lines.append(f" {label:<22}|" + "|".join(f"{c:>12} " for c in cells))
     if not abbreviated:
         lines.append("-" * width)
-        lines.append(f" Cached free blocks: {_fmt(ops().cached_bytes(index))}   "
+        lines.append(f" Cached free blocks: {_fmt(runtime_ops().cached_bytes(index))}   "
                      f"Out-of-memory errors: {stats.get('num_ooms', 0)}   Retries: {stats.get('num_alloc_retries', 0)}")
     lines.append("=" * width)
     return "\n".join(lines)

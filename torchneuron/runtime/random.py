@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchneuron.runtime.device import device_count, device_index
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 
 def _as_int64(seed: int) -> int:
@@ -25,47 +25,47 @@ def _as_int64(seed: int) -> int:
 
 @torch._disable_dynamo  # lazy: importing torchneuron must not import Dynamo
 def manual_seed(seed: int, device: Any = None) -> None:
-    ops().manual_seed(device_index(device), _as_int64(seed))
+    runtime_ops().manual_seed(device_index(device), _as_int64(seed))
 
 
 @torch._disable_dynamo
 def manual_seed_all(seed: int) -> None:
     for index in range(device_count()):
-        ops().manual_seed(index, _as_int64(seed))
+        runtime_ops().manual_seed(index, _as_int64(seed))
 
 
 @torch._disable_dynamo
 def seed() -> None:
-    ops().seed(device_index(None))
+    runtime_ops().seed(device_index(None))
 
 
 @torch._disable_dynamo
 def seed_all() -> None:
     for index in range(device_count()):
-        ops().seed(index)
+        runtime_ops().seed(index)
 
 
 @torch._disable_dynamo
 def initial_seed() -> int:
-    return int(ops().initial_seed(device_index(None))) & 0xFFFF_FFFF_FFFF_FFFF
+    return int(runtime_ops().initial_seed(device_index(None))) & 0xFFFF_FFFF_FFFF_FFFF
 
 
 @torch._disable_dynamo
 def get_rng_state(device: Any = "neuron") -> torch.Tensor:
-    return ops().get_rng_state(device_index(device))
+    return runtime_ops().get_rng_state(device_index(device))
 
 
 @torch._disable_dynamo
 def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
-    ops().set_rng_state(device_index(device), new_state.cpu())
+    runtime_ops().set_rng_state(device_index(device), new_state.cpu())
 
 
 @torch._disable_dynamo
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [ops().get_rng_state(i) for i in range(device_count())]
+    return [runtime_ops().get_rng_state(i) for i in range(device_count())]
 
 
 @torch._disable_dynamo
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     for index, state in enumerate(new_states):
-        ops().set_rng_state(index, state.cpu())
+        runtime_ops().set_rng_state(index, state.cpu())

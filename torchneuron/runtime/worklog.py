@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from torchneuron.runtime import _C
-from torchneuron.runtime.extension import ops
+from torchneuron.runtime.extension import runtime_ops
 
 # Defined once, in C++ (csrc/neuron.h: WorkKind, WorkFlags, WorkRecord), exported through _C.
 OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = (
@@ -40,7 +40,7 @@ _op_names: list[str] = []
 def op_name(op_id: int) -> str:
     """The operator name of a record's op_id ("" for records without an op)."""
     if op_id >= len(_op_names):
-        _op_names.extend(ops().op_names(len(_op_names)))
+        _op_names.extend(runtime_ops().op_names(len(_op_names)))
     return _op_names[op_id] if op_id >= 0 else ""
 
 
@@ -57,7 +57,7 @@ def signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
 
 def take() -> np.ndarray:
     """The pending records (oldest first), removed from the log."""
-    raw = ops().worklog_drain()
+    raw = runtime_ops().worklog_drain()
     if raw.numel() == 0:
         return np.empty(0, dtype=RECORD)
     return np.frombuffer(raw.numpy(), dtype=RECORD)
@@ -65,11 +65,11 @@ def take() -> np.ndarray:
 
 def set_enabled(on: bool) -> None:
     """Turns recording of device work on or off (TORCHNEURON_TIMELINE=0 starts with it off)."""
-    ops().set_worklog_enabled(bool(on))
+    runtime_ops().set_worklog_enabled(bool(on))
 
 
 def is_enabled() -> bool:
-    return bool(ops().worklog_enabled())
+    return bool(runtime_ops().worklog_enabled())
 
 
 @contextlib.contextmanager
@@ -77,7 +77,7 @@ def worklog_paused() -> Iterator[None]:
     """Eager ops issued inside are not recorded as device work: for ops that belong to work charged
     another way (a fused kernel's host code, moving a result into a buffer handed out earlier,
     compilation)."""
-    runtime = ops()
+    runtime = runtime_ops()
     was_enabled = bool(runtime.worklog_enabled())
     if was_enabled:
         runtime.set_worklog_enabled(False)
@@ -90,4 +90,4 @@ def worklog_paused() -> Iterator[None]:
 
 def check_layout() -> None:
     """Fails when the library's record differs from RECORD (a stale _C.so: rebuild it)."""
-    assert ops().worklog_record_size() == RECORD.itemsize, "WorkRecord layout differs between C++ and Python"
+    assert runtime_ops().worklog_record_size() == RECORD.itemsize, "WorkRecord layout differs between C++ and Python"

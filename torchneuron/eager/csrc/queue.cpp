@@ -5,7 +5,7 @@
 // its argument signature) and handed back, so storage, views and autograd are eager's, and the
 // work waits. Queueing costs about a microsecond, so fusion can pay for it. Per op:
 //
-// - the op's kind comes from Python once (torchneuron.eager.queue.classify): queue a functional,
+// - the op's kind comes from Python once (torchneuron.eager.queue.queue_kind): queue a functional,
 //   in-place or out= op; run an allocator now; flush, then run, anything else (random ops, host
 //   reads, collectives, custom ops);
 // - the first time an op is seen with an argument signature (dtypes, shapes, strides, non-float
@@ -205,7 +205,7 @@ std::optional<std::vector<ReturnSpec>> meta_specs(const c10::OperatorHandle& op,
 
 
 std::deque<OpFacts> g_facts;
-PyObject* g_classify = nullptr;
+PyObject* g_queue_kind = nullptr;
 PyObject* g_flush = nullptr;
 std::unordered_map<Words, OutputPlan, WordsHash>& g_output_plans = *new std::unordered_map<Words, OutputPlan, WordsHash>();
 std::atomic<bool> g_enabled{false};
@@ -244,12 +244,12 @@ OpFacts& facts_of(const c10::OperatorHandle& op, int32_t id) {
       const std::string type = arg.real_type()->str();
       f.floats_shape_outputs |= type.find("float[]") != std::string::npos || arg.name().rfind("scale", 0) == 0;
     }
-    if (!g_classify) {
+    if (!g_queue_kind) {
       f.kind = kSync;
       return f;
     }
     py::gil_scoped_acquire gil;
-    PyObject* result = PyObject_CallFunction(g_classify, "s", f.name.c_str());
+    PyObject* result = PyObject_CallFunction(g_queue_kind, "s", f.name.c_str());
     if (!result) rethrow_python_error();
     const long code = PyLong_AsLong(result);
     Py_DECREF(result);

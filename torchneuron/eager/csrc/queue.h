@@ -38,7 +38,7 @@ struct OpFacts {
 };
 extern std::deque<OpFacts> g_facts;  // by op id (fallback.cpp's op table); a deque: references stay valid as it grows
 
-extern PyObject* g_classify;  // classify(name) -> kind | random bit
+extern PyObject* g_queue_kind;  // queue_kind(name) -> kind | random bit
 extern PyObject* g_flush;     // flush_records(records) -> (actions, final)
 
 OpFacts& facts_of(const c10::OperatorHandle& op, int32_t id);

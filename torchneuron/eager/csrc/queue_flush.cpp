@@ -341,7 +341,7 @@ void adaptive_flush(const char* cause) {
 }
 
 void bind_adaptive_queue(py::module_& m) {
-  py::dict kinds;  // what classify() answers (eager/queue.py builds its constants from these)
+  py::dict kinds;  // what queue_kind() answers (eager/queue.py builds its constants from these)
   kinds["SYNC"] = static_cast<int>(kSync);
   kinds["FUNCTIONAL"] = static_cast<int>(kFunctional);
   kinds["INPLACE"] = static_cast<int>(kInplace);
@@ -350,12 +350,12 @@ void bind_adaptive_queue(py::module_& m) {
   kinds["OUT"] = static_cast<int>(kOut);
   kinds["RANDOM_BIT"] = kRandomBit;
   m.attr("QUEUE_KINDS") = kinds;
-  m.def("adaptive_set_callbacks", [](py::object classify, py::object flush) {
-    Py_XDECREF(g_classify);
+  m.def("adaptive_set_callbacks", [](py::object queue_kind, py::object flush) {
+    Py_XDECREF(g_queue_kind);
     Py_XDECREF(g_flush);
-    g_classify = classify.release().ptr();
+    g_queue_kind = queue_kind.release().ptr();
     g_flush = flush.release().ptr();
-  }, "classify(op_name) -> kind, flush_records(records) -> (actions, final): adaptive eager mode's Python side");
+  }, "queue_kind(op_name) -> kind, flush_records(records) -> (actions, final): adaptive eager mode's Python side");
   m.def("adaptive_enable", [](bool on) {
     if (!on) {
       adaptive_flush();

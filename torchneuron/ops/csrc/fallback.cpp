@@ -61,8 +61,8 @@ static bool schema_returns_view(const c10::FunctionSchema& schema) {
   return false;
 }
 
-static int32_t python_classify(const std::string& name, bool* ok) {
-  static auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_classify_op", "");
+static int32_t python_fallback_policy(const std::string& name, bool* ok) {
+  static auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_fallback_policy", "");
   if (!handle.hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutograd)) {
     *ok = false;  // Python has not registered the policy yet (import in progress)
     return 0;
@@ -99,7 +99,7 @@ static OpEntry& entry_of(const c10::OperatorHandle& op) {
   }
   if (C10_UNLIKELY(!e->classified)) {
     bool ok = false;
-    int32_t policy = python_classify(e->name, &ok);
+    int32_t policy = python_fallback_policy(e->name, &ok);
     if (ok) {
       e->policy = policy;
       e->classified = true;
@@ -276,188 +276,265 @@ static constexpr auto neuron_reshape_alias =
 
 void run_op_now(const c10::OperatorHandle& op, Stack* stack) { run_on_device(op, entry_of(op), stack); }
 
+// ---------------------------------------------------------------------------------------------
+// Running an op on the device, in named steps (run_on_device at the end calls them in order)
+// ---------------------------------------------------------------------------------------------
+// One op call on its way through the steps: what each step finds out and a later one uses. The
+// steps are inlined into run_on_device, so the call is one function on the hot path, as before.
+struct DeviceCall {
+  DeviceCall(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack)
+      : op(op), entry(entry), stack(stack), args(op.schema().arguments()), nargs(args.size()),
+        nrets(op.schema().returns().size()), base(stack->size() - nargs), record(worklog_enabled()) {}
+  const c10::OperatorHandle& op;
+  OpEntry& entry;
+  Stack* stack;
+  const std::vector<c10::Argument>& args;
+  const size_t nargs, nrets, base;           // the arguments are (*stack)[base, base + nargs)
+  const bool record;                         // the work log is on: the call leaves a record
+  c10::SmallVector<Alias, 6> aliases;        // the CPU alias of each neuron tensor argument
+  c10::SmallVector<uint16_t, 2> written;     // aliases the op may write or resize
+  DeviceIndex index = -1;                    // the device the op runs on
+  Device cpu_operand{c10::DeviceType::CPU};  // a CPU tensor operand's device (for the error)
+  bool has_cpu_operand = false;              // a CPU tensor (not a 0-d scalar) among the operands
+  bool host_dtype = false;                   // a float64 or complex neuron operand
+  bool on_host = false;                      // the op runs as a host fallback
+  WorkRecord rec;                            // filled only when `record`
+  int n_sigs = 0, n_inputs = 0;
+};
+
+// Step 1: the work record's fields that do not depend on the operands.
+C10_ALWAYS_INLINE static void begin_record(DeviceCall& c) {
+  if (!c.record) return;
+  c.rec.kind = static_cast<int32_t>(WorkKind::kOp);
+  c.rec.op_id = c.entry.id;
+  c.rec.flags = 0;
+  c.rec.aux = 0;
+  c.rec.host_seconds = 0;
+  c.rec.pad = 0;
+}
+
+// ---- step 2's pieces: the operands, their devices and their CPU aliases ----
+C10_ALWAYS_INLINE static void take_device(DeviceCall& c, const Tensor& t) {
+  const DeviceIndex i = t.device().index();
+  if (c.index < 0) c.index = i;
+  else if (C10_UNLIKELY(i != c.index)) device_mismatch(Device(kNeuron, c.index), Device(kNeuron, i));
+}
+C10_ALWAYS_INLINE static void note_operand(DeviceCall& c, const Tensor& t) {  // any tensor operand
+  if (!t.defined()) return;
+  if (is_neuron(t)) {
+    c.host_dtype |= is_host_only_dtype(t.scalar_type());
+  } else if (t.dim() != 0) {  // CPU scalars (and Python numbers) may join any op, as with CUDA
+    c.has_cpu_operand = true;
+    c.cpu_operand = t.device();
+  }
+}
+C10_ALWAYS_INLINE static Tensor alias_of(DeviceCall& c, const Tensor& t, bool write) {
+  take_device(c, t);
+  Tensor a = cpu_alias(t);
+  if (write) c.written.push_back(static_cast<uint16_t>(c.aliases.size()));
+  c.aliases.push_back({a, t, storage_of(a)});
+  return a;
+}
+C10_ALWAYS_INLINE static void alias_tensor(DeviceCall& c, IValue& v, bool write) {
+  const Tensor& t = v.toTensor();
+  note_operand(c, t);
+  // CPU scalars (wrapped Python numbers) are immediates of the instruction, not device operands
+  if (c.record && c.n_sigs < kMaxSigs - 1 && is_neuron(t)) fill_sig(c.rec.sigs[c.n_sigs++], t);
+  if (is_neuron(t)) {
+    Tensor dev = std::move(v).toTensor();
+    v = IValue(alias_of(c, dev, write));
+  }
+}
+C10_ALWAYS_INLINE static void alias_tensor_list(DeviceCall& c, IValue& v, bool write) {
+  auto list = v.toTensorList();
+  bool any = false;
+  int64_t numel = 0;
+  c10::ScalarType dtype = c10::kFloat;
+  for (const Tensor& t : list) {
+    note_operand(c, t);
+    any |= is_neuron(t);
+    numel += t.numel();
+    dtype = t.scalar_type();
+  }
+  if (c.record && c.n_sigs < kMaxSigs - 1 && list.size()) fill_sig_numel(c.rec.sigs[c.n_sigs++], dtype, numel);
+  if (any) {
+    c10::List<Tensor> converted;
+    converted.reserve(list.size());
+    for (const Tensor& t : list) converted.push_back(is_neuron(t) ? alias_of(c, t, write) : t);
+    v = IValue(std::move(converted));
+  }
+}
+// Tensor?[] (index, index_put_): the converted list keeps the element type, for unboxing.
+C10_ALWAYS_INLINE static void alias_optional_tensor_list(DeviceCall& c, IValue& v) {
+  auto list = v.toList();
+  bool any = false;
+  for (const IValue& e : list) {
+    if (e.isTensor() && is_neuron(e.toTensor())) {
+      any = true;
+      c.host_dtype |= is_host_only_dtype(e.toTensor().scalar_type());
+    }
+  }
+  if (any) {
+    c10::impl::GenericList converted(list.elementType());
+    converted.reserve(list.size());
+    for (const IValue& e : list)
+      converted.push_back(e.isTensor() && is_neuron(e.toTensor()) ? IValue(alias_of(c, e.toTensor(), false)) : e);
+    v = IValue(std::move(converted));
+  }
+}
+// A device argument (a factory's device=neuron:1): the op runs there, its CPU kernel gets the CPU.
+C10_ALWAYS_INLINE static void take_device_argument(DeviceCall& c, IValue& v) {
+  const DeviceIndex i = v.toDevice().has_index() ? v.toDevice().index() : current_device();
+  check_device_index(i);
+  if (c.index < 0) c.index = i;
+  v = IValue(Device(c10::DeviceType::CPU));
+}
+
+// Step 2: each neuron tensor argument replaced by its CPU alias (noting the signatures of the
+// inputs, their devices, CPU operands and host-only dtypes), a neuron device argument by the CPU.
+C10_ALWAYS_INLINE static void alias_arguments(DeviceCall& c) {
+  for (size_t i = 0; i < c.nargs; ++i) {
+    IValue& v = (*c.stack)[c.base + i];
+    const c10::AliasInfo* ainfo = c.args[i].alias_info();
+    const bool write = ainfo && ainfo->isWrite();
+    if (v.isTensor()) alias_tensor(c, v, write);
+    else if (v.isTensorList()) alias_tensor_list(c, v, write);
+    else if (v.isList()) alias_optional_tensor_list(c, v);
+    else if (v.isDevice() && v.toDevice().type() == kNeuron) take_device_argument(c, v);
+  }
+}
+
+// Step 3: the device the op runs on (the current one if no operand names one); CPU tensor
+// operands are an error unless the op's policy allows mixed devices.
+C10_ALWAYS_INLINE static void check_devices(DeviceCall& c) {
+  if (c.index < 0) c.index = current_device();
+  if (C10_UNLIKELY(c.has_cpu_operand) && !(c.entry.policy & kPolicyMixedDevices)) {
+    device_mismatch(Device(kNeuron, c.index), c.cpu_operand);
+  }
+}
+
+// Step 4: generator arguments (given or not) become the CPU engine of the device's generator.
+C10_ALWAYS_INLINE static void bind_generators(DeviceCall& c) {
+  for (uint16_t gi : c.entry.generator_args) {
+    IValue& v = (*c.stack)[c.base + gi];
+    std::optional<at::Generator> g;
+    if (!v.isNone()) g = v.toGenerator();
+    v = IValue(engine_of(g, c.index));
+  }
+}
+
+// Step 5: the fallback policy: the op runs on the host if the NeuronCore has no implementation
+// of it or cannot compute its dtype (float64 arithmetic is emulated, complex is not); a host
+// run is counted, warned about once, or refused in strict mode.
+C10_ALWAYS_INLINE static void apply_policy(DeviceCall& c) {
+  const int32_t policy = c.entry.policy;
+  c.on_host = (policy & kPolicyHost) ||
+              (c.host_dtype && !(policy & kPolicyDataMovement) &&
+               !((policy & kPolicyFp64Emulated) && !has_complex_operand(*c.stack, c.base, c.nargs)));
+  if (C10_UNLIKELY(c.on_host)) {
+    if (policy & kPolicyHost)
+      note_fallback(c.entry, "op", "no NeuronCore implementation");
+    else
+      note_fallback(c.entry, "dtype", "float64/complex operands: the NeuronCore has no FP64 or complex hardware");
+  }
+}
+
+// Step 6: the CPU kernel on the aliases: timed when it is a host fallback the work log records,
+// with the device's generator as the CPU default one for ops drawing implicitly, and through
+// CUDA's statistics for norm ops (norms.cpp).
+C10_ALWAYS_INLINE static void execute(DeviceCall& c) {
+  at::AutoDispatchBelowADInplaceOrView below;  // we are the backend; aliases carry no autograd keys
+  const c10::OperatorHandle& op = c.op;
+  Stack* stack = c.stack;
+  if (C10_UNLIKELY(c.on_host && c.record)) {
+    auto t0 = std::chrono::steady_clock::now();
+    if (c.entry.policy & kPolicyImplicitRng) with_device_rng(c.index, [&] { op.redispatchBoxed(kCPUKeys, stack); });
+    else op.redispatchBoxed(kCPUKeys, stack);
+    c.rec.host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } else if (C10_UNLIKELY(c.entry.policy & kPolicyImplicitRng)) {
+    with_device_rng(c.index, [&] { op.redispatchBoxed(kCPUKeys, stack); });
+  } else if (C10_LIKELY(c.entry.norm.result_dtype_from.empty()) || !run_norm_as_cuda(op, c.entry.norm, stack, kCPUKeys)) {
+    op.redispatchBoxed(kCPUKeys, stack);
+  }
+}
+
+// Step 7: what the kernel changed in written aliases (a resize, a set_, the geometry) carried
+// back to their neuron tensors.
+C10_ALWAYS_INLINE static void carry_back_writes(DeviceCall& c) {
+  for (uint16_t k : c.written) sync_back(c.aliases[k].cpu, c.aliases[k].dev, c.aliases[k].storage);
+}
+
+// ---- step 8's pieces: results as device tensors ----
+C10_ALWAYS_INLINE static Tensor device_result(DeviceCall& c, Tensor o) {
+  if (!o.defined()) return o;
+  c10::TensorImpl* oi = o.unsafeGetTensorImpl();
+  for (auto& p : c.aliases)
+    if (p.cpu.unsafeGetTensorImpl() == oi) return p.dev;  // in-place / out= returns its argument
+  if (oi->has_storage()) {
+    c10::StorageImpl* ost = oi->unsafe_storage().unsafeGetStorageImpl();
+    for (auto& p : c.aliases)  // a new view of an input (e.g. _unsafe_view): view the neuron storage
+      if (p.storage == ost) return neuron_tensor_over(p.dev.unsafeGetTensorImpl()->unsafe_storage(), oi);
+  }
+  return to_device(std::move(o), c.index);
+}
+C10_ALWAYS_INLINE static void map_result_list(DeviceCall& c, IValue& v) {
+  auto list = std::move(v).toTensorList();
+  c10::List<Tensor> converted;
+  converted.reserve(list.size());
+  int64_t numel = 0;
+  c10::ScalarType dtype = c10::kFloat;
+  for (const Tensor& t : list) {
+    converted.push_back(device_result(c, t));
+    if (t.defined()) {
+      numel += t.numel();
+      dtype = t.scalar_type();
+    }
+  }
+  if (c.record && c.n_sigs < kMaxSigs && list.size()) fill_sig_numel(c.rec.sigs[c.n_sigs++], dtype, numel);
+  v = IValue(std::move(converted));
+}
+
+// Step 8: each result returned as the caller's tensor (in-place, out=), a view of a neuron
+// storage, or fresh host memory adopted as device memory; their signatures end the record's.
+C10_ALWAYS_INLINE static void map_results(DeviceCall& c) {
+  const size_t rbase = c.stack->size() - c.nrets;
+  c.n_inputs = c.n_sigs;
+  for (size_t i = 0; i < c.nrets; ++i) {
+    IValue& v = (*c.stack)[rbase + i];
+    if (v.isTensor()) {
+      v = IValue(device_result(c, std::move(v).toTensor()));
+      if (c.record && c.n_sigs < kMaxSigs) fill_sig(c.rec.sigs[c.n_sigs++], v.toTensor());
+    } else if (v.isTensorList()) {
+      map_result_list(c, v);
+    }
+  }
+}
+
+// Step 9: the op's record appended to the work log.
+C10_ALWAYS_INLINE static void finish_record(DeviceCall& c) {
+  if (!c.record) return;
+  if (c.on_host) c.rec.flags |= kFallback;
+  c.rec.n_inputs = c.n_inputs;
+  c.rec.n_sigs = c.n_sigs;
+  for (int s = c.n_sigs; s < kMaxSigs; ++s) fill_sig(c.rec.sigs[s], Tensor());  // zeroed: records are hashed
+  worklog_append(c.rec, c.index);
+}
 
 static void run_on_device(const c10::OperatorHandle& op, OpEntry& entry, Stack* stack) {
   if (entry.returns_view) {  // metadata only: run the CPU kernel on the neuron TensorImpl itself
     op.redispatchBoxed(kCPUKeys, stack);
     return;
   }
-  const auto& schema = op.schema();
-  const auto& args = schema.arguments();
-  const size_t nargs = args.size(), nrets = schema.returns().size();
-  const size_t base = stack->size() - nargs;
-  c10::SmallVector<Alias, 6> aliases;
-  c10::SmallVector<uint16_t, 2> written;  // aliases the op may write or resize
-  DeviceIndex index = -1;
-  Device cpu_operand(c10::DeviceType::CPU);
-  bool has_cpu_operand = false, host_dtype = false;
-  const bool record = worklog_enabled();
-  WorkRecord rec;
-  int n_sigs = 0;
-  if (record) {
-    rec.kind = static_cast<int32_t>(WorkKind::kOp);
-    rec.op_id = entry.id;
-    rec.flags = 0;
-    rec.aux = 0;
-    rec.host_seconds = 0;
-    rec.pad = 0;
-  }
-
-  auto take_device = [&](const Tensor& t) {
-    const DeviceIndex i = t.device().index();
-    if (index < 0) index = i;
-    else if (C10_UNLIKELY(i != index)) device_mismatch(Device(kNeuron, index), Device(kNeuron, i));
-  };
-  auto note_operand = [&](const Tensor& t) {  // checks and signature of any tensor operand
-    if (!t.defined()) return;
-    if (is_neuron(t)) {
-      host_dtype |= is_host_only_dtype(t.scalar_type());
-    } else if (t.dim() != 0) {  // CPU scalars (and Python numbers) may join any op, as with CUDA
-      has_cpu_operand = true;
-      cpu_operand = t.device();
-    }
-  };
-  auto alias_of = [&](const Tensor& t, bool write) -> Tensor {
-    take_device(t);
-    Tensor a = cpu_alias(t);
-    if (write) written.push_back(static_cast<uint16_t>(aliases.size()));
-    aliases.push_back({a, t, storage_of(a)});
-    return a;
-  };
-
-  for (size_t i = 0; i < nargs; ++i) {
-    IValue& v = (*stack)[base + i];
-    const c10::AliasInfo* ainfo = args[i].alias_info();
-    const bool write = ainfo && ainfo->isWrite();
-    if (v.isTensor()) {
-      const Tensor& t = v.toTensor();
-      note_operand(t);
-      // CPU scalars (wrapped Python numbers) are immediates of the instruction, not device operands
-      if (record && n_sigs < kMaxSigs - 1 && is_neuron(t)) fill_sig(rec.sigs[n_sigs++], t);
-      if (is_neuron(t)) {
-        Tensor dev = std::move(v).toTensor();
-        v = IValue(alias_of(dev, write));
-      }
-    } else if (v.isTensorList()) {
-      auto list = v.toTensorList();
-      bool any = false;
-      int64_t numel = 0;
-      c10::ScalarType dtype = c10::kFloat;
-      for (const Tensor& t : list) {
-        note_operand(t);
-        any |= is_neuron(t);
-        numel += t.numel();
-        dtype = t.scalar_type();
-      }
-      if (record && n_sigs < kMaxSigs - 1 && list.size()) fill_sig_numel(rec.sigs[n_sigs++], dtype, numel);
-      if (any) {
-        c10::List<Tensor> converted;
-        converted.reserve(list.size());
-        for (const Tensor& t : list) converted.push_back(is_neuron(t) ? alias_of(t, write) : t);
-        v = IValue(std::move(converted));
-      }
-    } else if (v.isList()) {  // Tensor?[] (index, index_put_): keep the element type for unboxing
-      auto list = v.toList();
-      bool any = false;
-      for (const IValue& e : list) {
-        if (e.isTensor() && is_neuron(e.toTensor())) {
-          any = true;
-          host_dtype |= is_host_only_dtype(e.toTensor().scalar_type());
-        }
-      }
-      if (any) {
-        c10::impl::GenericList converted(list.elementType());
-        converted.reserve(list.size());
-        for (const IValue& e : list)
-          converted.push_back(e.isTensor() && is_neuron(e.toTensor()) ? IValue(alias_of(e.toTensor(), false)) : e);
-        v = IValue(std::move(converted));
-      }
-    } else if (v.isDevice() && v.toDevice().type() == kNeuron) {
-      const DeviceIndex i = v.toDevice().has_index() ? v.toDevice().index() : current_device();
-      check_device_index(i);
-      if (index < 0) index = i;
-      v = IValue(Device(c10::DeviceType::CPU));
-    }
-  }
-  if (index < 0) index = current_device();
-  if (C10_UNLIKELY(has_cpu_operand) && !(entry.policy & kPolicyMixedDevices)) {
-    device_mismatch(Device(kNeuron, index), cpu_operand);
-  }
-  for (uint16_t gi : entry.generator_args) {  // the device's generator drives CPU kernels
-    IValue& v = (*stack)[base + gi];
-    std::optional<at::Generator> g;
-    if (!v.isNone()) g = v.toGenerator();
-    v = IValue(engine_of(g, index));
-  }
-  const bool on_host = (entry.policy & kPolicyHost) ||
-                       (host_dtype && !(entry.policy & kPolicyDataMovement) &&
-                        !((entry.policy & kPolicyFp64Emulated) && !has_complex_operand(*stack, base, nargs)));
-  if (C10_UNLIKELY(on_host)) {
-    if (entry.policy & kPolicyHost)
-      note_fallback(entry, "op", "no NeuronCore implementation");
-    else
-      note_fallback(entry, "dtype", "float64/complex operands: the NeuronCore has no FP64 or complex hardware");
-  }
-
-  {
-    at::AutoDispatchBelowADInplaceOrView below;  // we are the backend; aliases carry no autograd keys
-    if (C10_UNLIKELY(on_host && record)) {
-      auto t0 = std::chrono::steady_clock::now();
-      if (entry.policy & kPolicyImplicitRng) with_device_rng(index, [&] { op.redispatchBoxed(kCPUKeys, stack); });
-      else op.redispatchBoxed(kCPUKeys, stack);
-      rec.host_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } else if (C10_UNLIKELY(entry.policy & kPolicyImplicitRng)) {
-      with_device_rng(index, [&] { op.redispatchBoxed(kCPUKeys, stack); });
-    } else if (C10_LIKELY(entry.norm.result_dtype_from.empty()) || !run_norm_as_cuda(op, entry.norm, stack, kCPUKeys)) {
-      op.redispatchBoxed(kCPUKeys, stack);
-    }
-  }
-
-  for (uint16_t k : written) sync_back(aliases[k].cpu, aliases[k].dev, aliases[k].storage);
-
-  auto map_out = [&](Tensor o) -> Tensor {
-    if (!o.defined()) return o;
-    c10::TensorImpl* oi = o.unsafeGetTensorImpl();
-    for (auto& p : aliases)
-      if (p.cpu.unsafeGetTensorImpl() == oi) return p.dev;  // in-place / out= returns its argument
-    if (oi->has_storage()) {
-      c10::StorageImpl* ost = oi->unsafe_storage().unsafeGetStorageImpl();
-      for (auto& p : aliases)  // a new view of an input (e.g. _unsafe_view): view the neuron storage
-        if (p.storage == ost) return neuron_tensor_over(p.dev.unsafeGetTensorImpl()->unsafe_storage(), oi);
-    }
-    return to_device(std::move(o), index);
-  };
-  const size_t rbase = stack->size() - nrets;
-  int n_inputs = n_sigs;
-  for (size_t i = 0; i < nrets; ++i) {
-    IValue& v = (*stack)[rbase + i];
-    if (v.isTensor()) {
-      v = IValue(map_out(std::move(v).toTensor()));
-      if (record && n_sigs < kMaxSigs) fill_sig(rec.sigs[n_sigs++], v.toTensor());
-    } else if (v.isTensorList()) {
-      auto list = std::move(v).toTensorList();
-      c10::List<Tensor> converted;
-      converted.reserve(list.size());
-      int64_t numel = 0;
-      c10::ScalarType dtype = c10::kFloat;
-      for (const Tensor& t : list) {
-        converted.push_back(map_out(t));
-        if (t.defined()) {
-          numel += t.numel();
-          dtype = t.scalar_type();
-        }
-      }
-      if (record && n_sigs < kMaxSigs && list.size()) fill_sig_numel(rec.sigs[n_sigs++], dtype, numel);
-      v = IValue(std::move(converted));
-    }
-  }
-  if (record) {
-    if (on_host) rec.flags |= kFallback;
-    rec.n_inputs = n_inputs;
-    rec.n_sigs = n_sigs;
-    for (int s = n_sigs; s < kMaxSigs; ++s) fill_sig(rec.sigs[s], Tensor());  // zeroed: records are hashed
-    worklog_append(rec, index);
-  }
+  DeviceCall call(op, entry, stack);
+  begin_record(call);
+  alias_arguments(call);
+  check_devices(call);
+  bind_generators(call);
+  apply_policy(call);
+  execute(call);
+  carry_back_writes(call);
+  map_results(call);
+  finish_record(call);
 }
 
 // ---------------------------------------------------------------------------------------------

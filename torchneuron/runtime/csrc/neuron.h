@@ -22,7 +22,7 @@ namespace torchneuron {
 
 constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
 
-// ---- devices and streams (device.cpp) ----
+// ---- devices (device.cpp) and streams (stream.cpp) ----
 c10::DeviceIndex device_count();
 // The number of devices, before any is used (python.cpp's configure, at load).
 void configure_device_count(int64_t n);
@@ -37,7 +37,7 @@ c10::Allocator* device_allocator();
 // against the device's capacity (raising torch.OutOfMemoryError past it) and in the statistics.
 c10::DataPtr adopt_host_memory(c10::DataPtr&& host, size_t nbytes, c10::DeviceIndex index);
 
-// ---- the generator behind each device (device.cpp) ----
+// ---- the generator behind each device (generator.cpp) ----
 // The CPU generator that actually produces a neuron generator's numbers (CPU kernels accept only
 // CPU generators). `gen` may be undefined: the device's default generator is used.
 at::Generator engine_of(const std::optional<at::Generator>& gen, c10::DeviceIndex index);

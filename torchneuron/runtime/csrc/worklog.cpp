@@ -130,7 +130,7 @@ TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   // Implemented in Python (torchneuron.runtime.timeline_bridge): called from C++.
   m.def("_worklog_full() -> ()");
   m.def("_event_elapsed_ms(int start, int end) -> float");
-  m.def("_classify_op(str name) -> int");
+  m.def("_fallback_policy(str name) -> int");
   m.def("_on_fallback(str name, str reason) -> ()");
 }
 

@@ -5,7 +5,7 @@ returns the plan it followed (which stretches ran fused, through which kernel's 
 which eagerly); the queue replays a final plan itself when the same queue comes back. Heuristics:
 
 - a *run* is a maximal sequence of fusible ops (pointwise, reductions, norms, matmuls,
-  gathers, optimizer updates; ops.FUSIBLE_CATEGORIES) with the views recorded between them;
+  gathers, optimizer updates; op_kinds.FUSIBLE_CATEGORIES) with the views recorded between them;
   any other queued op runs alone, eagerly;
 - a run's *key* is its structure: each op with its arguments' signature and where each tensor
   comes from (an external input, or an op of the run), plus which inputs share memory when
@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from torchneuron.eager.ops import flat_tensors, traceable_overload
+from torchneuron.eager.op_kinds import flat_tensors, traceable_overload
 from torchneuron.eager.queue import Entry
 
 log = logging.getLogger(__name__)

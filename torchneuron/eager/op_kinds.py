@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 from torchneuron.ops import policy
 
 VIEW, QUEUE, SYNC, ALLOCATE = "view", "queue", "sync", "allocate"
@@ -97,13 +97,13 @@ def _kind_of(func: torch._ops.OpOverload) -> OpInfo:
     if base in ALLOCATORS and not schema.is_mutable:  # not their out= overloads
         return OpInfo(ALLOCATE)
     seeded = torch.Tag.nondeterministic_seeded in func.tags and base not in NEVER_RANDOM
-    random = seeded or bool(policy.classify_op(name) & policy.IMPLICIT_RNG) \
+    random = seeded or bool(policy.fallback_policy(name) & policy.IMPLICIT_RNG) \
         or any(str(a.type).startswith("Generator") for a in schema.arguments)
     if random or base in NEVER_QUEUED or torch.Tag.inplace_view in func.tags \
             or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags \
             or not policy.runs_natively(name):
         return OpInfo(SYNC, random=random)
-    fusible = classify(name) in FUSIBLE_CATEGORIES or base in FUSIBLE_OPS
+    fusible = op_category(name) in FUSIBLE_CATEGORIES or base in FUSIBLE_OPS
     if schema.is_mutable:
         if _mutates_only_self(schema):
             return OpInfo(QUEUE, fusible=fusible, inplace=True)

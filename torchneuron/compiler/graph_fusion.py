@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 from torchneuron.compiler.flex_attention import NKI_META_KEY
 from torchneuron.compiler.partition import DEVICE, HOST, Partition, is_transparent, node_tensors, op_name
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
-from torchneuron.hardware.taxonomy import classify
+from torchneuron.hardware.taxonomy import op_category
 from torchneuron.hardware.targets import Target, get_target
 
 MAX_OPS = 64
@@ -82,7 +82,7 @@ def role(node: Node) -> str:
         return "opaque"
     if node.target.namespace not in ("aten", "prims"):
         return "opaque"
-    category = classify(name)
+    category = op_category(name)
     if category in POINTWISE:
         return "pointwise"
     if category in REDUCTION:
@@ -277,7 +277,7 @@ class _Grouper:
         producers = [g for g in dict.fromkeys(self.source(a) for a in inputs) if g is not None]
         node_role = role(node) if placement == DEVICE else "opaque"
         wide = node_role == "reduction" and not row_fits_on_chip(node, self.target)
-        if wide and classify(op_name(node)) in _ROW_STATISTICS:
+        if wide and op_category(op_name(node)) in _ROW_STATISTICS:
             node_role = "opaque"                # reduces and applies in passes over HBM: alone
         if placement == DEVICE and node_role == "pointwise" and not any(map(_is_tensor, inputs)):
             node.meta[INLINE_META_KEY] = True   # a constant (of symbolic scalars too), generated where it is read
