@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 
 from .zoo_checks import cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"whisper": False}, "compiled": {"whisper": True}}
+SUBSETS = {"bf16": {"whisper": False}}
 
 
 @pytest.mark.parametrize("name,mode", cases("audio", SUBSETS))

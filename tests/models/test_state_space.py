@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 
 from .zoo_checks import cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"mamba2": False, "jamba": False}, "compiled": {"falcon_mamba": True}}
+SUBSETS = {"bf16": {"mamba2": False, "jamba": False}}
 
 
 @pytest.mark.parametrize("name,mode", cases("state-space", SUBSETS))

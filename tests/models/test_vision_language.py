@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 
 from .zoo_checks import cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"qwen2_vl": False, "siglip": False}, "compiled": {"siglip": True}}
+SUBSETS = {"bf16": {"qwen2_vl": False, "siglip": False}}
 
 
 @pytest.mark.parametrize("name,mode", cases("vision-language", SUBSETS))
