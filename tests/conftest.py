@@ -33,3 +33,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     `--dist loadscope`) in this order, so the long OpInfo gates start at once instead of
     leaving one worker busy at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# The model zoo's tests (tests/models) record each model's modeled trn2 step as the `zoo` property;
+# the reports reach this process from pytest-xdist workers too, and the run ends with their table.
+_zoo_steps: list[dict] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.passed:
+        _zoo_steps.extend(value for key, value in report.user_properties if key == "zoo")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _zoo_steps:
+        return
+    terminalreporter.section("model zoo: modeled trn2 training step")
+    terminalreporter.write_line(f"{'model':<14} {'mode':<9} {'step':>11} {'MFU':>9}")
+    for row in sorted(_zoo_steps, key=lambda r: (r["model"], r["mode"])):
+        terminalreporter.write_line(f"{row['model']:<14} {row['mode']:<9} {row['trn2_step_ms']:>8.3f} ms "
+                                    f"{row['mfu'] * 100:>7.4f}%")

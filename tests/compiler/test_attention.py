@@ -51,3 +51,29 @@ def test_flash_attention_op_results_have_the_kernels_layout():
         fake_out, fake_lse = torch.ops.torchneuron.flash_attention(fake, fake, fake, None, True, None)
     assert (out.shape, out.stride()) == (fake_out.shape, fake_out.stride())
     assert (logsumexp.shape, logsumexp.stride()) == (fake_lse.shape, fake_lse.stride())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["flash", "recomputed"])
+def test_grouped_query_attention_gradients_of_transposed_heads(fresh_dynamo, dropout):
+    """Grouped-query attention (transformers' Llama calls SDPA with enable_gqa on key/value heads
+    transposed out of a projection) runs as aten's fused-attention op in compiled graphs, which
+    index its gradients in their inputs' layout (the meta function's empty_like): the device's
+    backward must return them so, not contiguous after summing the key/value groups."""
+    def attention(x, wq, wk, wv):
+        q = (x @ wq).view(2, 6, 4, 8).transpose(1, 2)
+        k = (x @ wk).view(2, 6, 2, 8).transpose(1, 2)
+        v = (x @ wv).view(2, 6, 2, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, dropout_p=dropout)
+        return out.transpose(1, 2).reshape(2, 6, 32)
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, 6, 32, generator=g), *(torch.randn(32, n, generator=g) for n in (32, 16, 16))]
+    weight = torch.randn(2, 6, 32, generator=g).to("neuron")
+    runs = []
+    for fn in (attention, torch.compile(attention, backend="neuron")):
+        inputs = [t.to("neuron").requires_grad_() for t in base]
+        torch.manual_seed(0)  # the same dropout mask in both runs
+        (fn(*inputs) * weight).sum().backward()
+        runs.append([t.grad.cpu() for t in inputs])
+    for compiled, eager in zip(*runs):
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)

@@ -271,8 +271,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_attention_backward(
     gk = at::matmul(grad_scores.transpose(-2, -1), qf).mul_(p.scale);
     if (grad_input_mask[3] && p.bias) gbias = reduce_to(grad_scores, p.bias->sizes()).to(attn_bias.scalar_type());
   }
+  // Each gradient in the layout of its input, as the meta function (empty_like) promises compiled graphs:
+  // summed key/value groups and the recomputed path's matmuls come out contiguous otherwise.
   auto back = [&](const Tensor& g, const Tensor& like, int64_t group) {
-    return from_4d(sum_groups(g, group), p.batched).to(like.scalar_type());
+    return with_layout_of(from_4d(sum_groups(g, group), p.batched).to(like.scalar_type()), like);
   };
   if (gbias.defined() && !p.batched && attn_bias.dim() == 3) gbias = gbias.squeeze(0);
   return {grad_input_mask[0] ? back(gq, query, 1) : Tensor(), grad_input_mask[1] ? back(gk, key, p.group) : Tensor(),
