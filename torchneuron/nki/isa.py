@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import constants  # noqa: F401 - nisa.constants
 from . import engines as _E
+from .constants import dge_mode, matmul_perf_mode, oob_mode, reduce_cmd  # noqa: F401
 from .errors import NKIError, ShapeError
 from .simulator import current
 from .tile import IndexExpr, Predicate, Tile
@@ -43,24 +45,6 @@ class nc_version(enum.IntEnum):  # noqa: N801
 
 def get_nc_version() -> nc_version:
     return nc_version({"trn1": 2, "trn2": 3, "trn3": 4}.get(current().target.name, 3))
-
-
-class reduce_cmd(enum.Enum):  # noqa: N801
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-
-
-class matmul_perf_mode(enum.Enum):  # noqa: N801
-    none = 0
-    double_row = 1
-
-
-class dge_mode(enum.Enum):  # noqa: N801
-    unknown = 0
-    swdge = 1
-    hwdge = 2
 
 
 def _eng(e: Any) -> str:
@@ -335,9 +319,42 @@ def _linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Te
 
 
 # ----------------------------------------------------------------------------- GpSimd engine
+def _pattern_values(shape: tuple, pattern: Any, offset: Any, channel_multiplier: Any) -> torch.Tensor:
+    """offset + partition * channel_multiplier + sum_k index_k * step_k over the free
+    elements of a [P, ...] tile, the free elements enumerated by `pattern` [[step, num], ...]
+    (outermost first): the affine value of NKI 0.4+ iota / affine_select."""
+    free = 1
+    for n in shape[1:]:
+        free *= n
+    nums = [int(n) for _, n in pattern]
+    total = 1
+    for n in nums:
+        total *= n
+    if total != free:
+        raise ShapeError(f"pattern {pattern} covers {total} elements a partition; the tile {tuple(shape)} "
+                         f"has {free}")
+    val = torch.zeros(nums, dtype=torch.float64)
+    for k, (step, n) in enumerate(pattern):
+        view = [1] * len(nums)
+        view[k] = int(n)
+        val = val + float(step) * torch.arange(int(n), dtype=torch.float64).view(view)
+    chan = torch.arange(shape[0], dtype=torch.float64).view(-1, 1) * float(channel_multiplier)
+    out = float(offset) + chan + val.reshape(1, -1)
+    return out.reshape(shape)
+
+
 def iota(*args, **kwargs) -> Tile:
-    """Materialise an affine expression of nl.arange indices as a tile (GpSimd engine)."""
+    """Materialise an affine expression of nl.arange indices as a tile (GpSimd engine); NKI
+    0.4+ form `iota(dst, pattern, offset, channel_multiplier=0)`."""
     dst, args = _take_dst(args, kwargs, bool(args) and isinstance(args[0], Tile))
+    if "pattern" in kwargs or (args and isinstance(args[0], (list, tuple))):
+        names = ("pattern", "offset", "channel_multiplier")
+        vals = dict(zip(names, args))
+        vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
+        shape = dst.shape
+        return _E.elementwise("iota", lambda: _pattern_values(shape, vals["pattern"], vals.get("offset", 0),
+                                                              vals.get("channel_multiplier", 0)),
+                              [], dst=dst, out_shape=shape)
     expr = args[0] if args else kwargs.pop("expr")
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype", np.int32)
     run = current()
@@ -356,6 +373,8 @@ def iota(*args, **kwargs) -> Tile:
 def affine_select(*args, **kwargs) -> Tile:
     """out = pred ? on_true_tile : on_false_value, pred an affine predicate (GpSimd)."""
     dst, args = _take_dst(args, kwargs, bool(args) and isinstance(args[0], Tile))
+    if "pattern" in kwargs or (args and isinstance(args[0], (list, tuple))):
+        return _affine_select_pattern(dst, args, kwargs)
     names = ("pred", "on_true_tile", "on_false_value")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -371,6 +390,28 @@ def affine_select(*args, **kwargs) -> Tile:
         return torch.where(keep, x, torch.tensor(fv, dtype=x.dtype))
     return _E.elementwise("affine_select", compute, [t], dtype=kwargs.get("dtype"), dst=dst,
                           mask=kwargs.get("mask"), out_shape=shape)
+
+
+def _affine_select_pattern(dst: Tile, args: tuple, kwargs: dict) -> Tile:
+    """NKI 0.4+ form: dst = cmp_op(affine value, 0) ? on_true_tile : on_false_value."""
+    names = ("pattern", "offset", "channel_multiplier", "on_true_tile", "on_false_value", "cmp_op")
+    vals = dict(zip(names, args))
+    vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
+    t = vals["on_true_tile"]
+    fv = float(vals["on_false_value"])
+    cmp = vals.get("cmp_op") or _equal
+    shape = t.shape
+    pattern, offset, mult = vals["pattern"], vals.get("offset", 0), vals.get("channel_multiplier", 0)
+
+    def compute(x):
+        value = _pattern_values(tuple(x.shape), pattern, offset, mult)
+        keep = _E.alu(cmp)(value, torch.zeros((), dtype=value.dtype)) != 0
+        return torch.where(keep, x, torch.tensor(fv, dtype=x.dtype))
+    return _E.elementwise("affine_select", compute, [t], dst=dst, out_shape=shape)
+
+
+def _equal(a, b):
+    return a == b
 
 
 def memset(*args, **kwargs) -> Tile:

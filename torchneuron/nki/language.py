@@ -17,7 +17,8 @@ import torch
 
 from . import dtypes as _dt
 from . import engines as _E
-from .dtypes import bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, tfloat32  # noqa: F401
+from .dtypes import (bfloat16, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4,  # noqa: F401
+                     float8_e5m2, float8_e5m2_x4, tfloat32)
 from .errors import NKIError, ShapeError
 from .simulator import current
 from . import tile as _tile
@@ -456,6 +457,43 @@ def _silu_dx(x):
 gelu_dx = _make_unary("gelu_dx", _gelu_dx)
 silu_dx = _make_unary("silu_dx", _silu_dx)
 erf_dx = _make_unary("erf_dx", lambda x: 1.1283791670955126 * torch.exp(-x * x))
+
+
+def _gelu_sigmoid(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_sigmoid_dx(x):
+    s = torch.sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1 - s)
+
+
+# GELU's sigmoid approximation x*sigmoid(1.702x) (NKI's Swish activation) and its derivative
+gelu_apprx_sigmoid = _make_unary("gelu_apprx_sigmoid", _gelu_sigmoid)
+gelu_apprx_sigmoid_dx = _make_unary("gelu_apprx_sigmoid_dx", _gelu_sigmoid_dx)
+
+
+class NKIObject:
+    """Base class NKI kernels derive their configuration objects from (NKI 0.4+): on the
+    hardware compiler it marks a class whose instances the tracer may pass around; on the
+    software NeuronCore every Python object can be.
+
+    Like NKI's, a subclass's plain class attributes (`size = None`) become fields, so that
+    `@dataclass` over it takes them as keyword arguments."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        import dataclasses
+        own = cls.__dict__.get("__annotations__")
+        ann = dict(own) if own else {}
+        for name, value in list(cls.__dict__.items()):
+            if name.startswith("__") or name in ann or callable(value) or isinstance(
+                    value, (staticmethod, classmethod, property)):
+                continue
+            ann[name] = Any
+            if isinstance(value, (list, dict, set)):
+                setattr(cls, name, dataclasses.field(default_factory=lambda v=value: type(v)(v)))
+        cls.__annotations__ = ann
 
 
 def copy(x: Tile, *, dtype: Any = None, mask: Any = None, **kwargs) -> Tile:
