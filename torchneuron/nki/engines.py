@@ -246,6 +246,8 @@ def write(run: Run, dst: Tile, result: torch.Tensor | float, pred: Predicate | N
     if not run.compute:
         return
     dst.buf.prepare_write()
+    from .tile import GatherTile
+    scatter = dst if isinstance(dst, GatherTile) else None  # indirect store: gather, update, scatter
     view = dst.torch()
     if isinstance(result, torch.Tensor) and result.shape != view.shape:
         if result.numel() == view.numel():
@@ -265,8 +267,12 @@ def write(run: Run, dst: Tile, result: torch.Tensor | float, pred: Predicate | N
         view.add_(result)
     elif isinstance(result, torch.Tensor):
         view.copy_(result)
+    elif view.dtype.is_floating_point:  # a float32 value rounds as the hardware casts it
+        view.copy_(torch.tensor(float(result), dtype=torch.float32).expand(view.shape))
     else:
         view.fill_(result)
+    if scatter is not None:
+        scatter.scatter(view)
 
 
 def same_partitions(dst: Tile, src_shape: tuple, what: str) -> None:
@@ -529,10 +535,6 @@ def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: b
     for t in (src, dst):
         if t.buf.kind not in HBM_KINDS:
             t.check_tile(what)
-    from .tile import GatherTile
-    if isinstance(dst, GatherTile):
-        raise NKIError(f"{what}: indirect (dynamic-index) stores are not supported by this simulator",
-                       rule="index")
     ranges, pred = mask_narrowing(mask, [src, dst])
     src, dst = narrow(src, ranges), narrow(dst, ranges)
     if src.numel() != dst.numel():

@@ -16,6 +16,8 @@ import torch
 from . import constants  # noqa: F401 - nisa.constants
 from . import engines as _E
 from .constants import dge_mode, matmul_perf_mode, oob_mode, reduce_cmd  # noqa: F401
+from .registers import (VirtualRegister, register_alloc, register_load, register_move,  # noqa: F401
+                        register_store)
 from .errors import NKIError, ShapeError
 from .simulator import current
 from .tile import IndexExpr, Predicate, Tile
@@ -492,12 +494,23 @@ def dma_copy(*args, **kwargs) -> Tile:
     return _E.dma(dst, src, kwargs.get("mask"), "dma_copy")
 
 
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
 def dma_transpose(*args, **kwargs) -> Tile:
+    """Transpose while copying (DMA engine): a 2-D source is permuted (1, 0), 3-D (2, 1, 0),
+    4-D (3, 1, 2, 0), or as `axes` says (one of those)."""
     dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
     src = args[0] if args else kwargs.pop("src")
-    if len(src.shape) != 2:
-        raise ShapeError("dma_transpose: only 2-D sources are supported")
-    t = Tile(src.buf, (src.shape[1], src.shape[0]), src.base, (src.maps[1], src.maps[0]))
+    axes = kwargs.get("axes")
+    nd = len(src.shape)
+    if nd not in _DMA_TRANSPOSE_AXES:
+        raise ShapeError(f"dma_transpose: the source has {nd} dimensions; it takes 2, 3 or 4")
+    axes = tuple(axes) if axes is not None else _DMA_TRANSPOSE_AXES[nd]
+    if axes != _DMA_TRANSPOSE_AXES[nd]:
+        raise ShapeError(f"dma_transpose: axes {axes} are not supported for a {nd}-D source; "
+                         f"supported: {_DMA_TRANSPOSE_AXES[nd]}")
+    t = Tile(src.buf, tuple(src.shape[a] for a in axes), src.base, tuple(src.maps[a] for a in axes))
     if dst is None:
         run = current()
         dst = Tile.whole(run.allocate("sbuf", t.shape, src.buf.tdtype))

@@ -132,6 +132,64 @@ def sequential_range(*args: int, **kwargs):
         run.seq_depth -= 1
 
 
+def _loop_iterations(start: int, stop: int, step: int):
+    """Iterations of a loop the hardware runs (not unrolled): in order on every engine, each
+    paying a compare-and-branch (one instruction's issue cost)."""
+    run = current()
+    run.flush()
+    run.seq_depth += 1
+    try:
+        for i in range(start, stop, step):
+            run.new_iteration()
+            run.issue("sync", [], [], partitions=1, free_elems=1, dtype=torch.int32)
+            yield i
+    finally:
+        run.seq_depth -= 1
+
+
+def _bounds(start: Any, stop: Any, step: Any, what: str) -> tuple[int, int, int]:
+    from .registers import register_value
+    if stop is None:
+        start, stop = 0, start
+    step = int(step)
+    if step <= 0:
+        raise NKIError(f"{what}: step must be a positive compile-time int, got {step}", rule="loop")
+    return register_value(start, what), register_value(stop, what), step
+
+
+def dynamic_range(start: Any, stop: Any = None, step: int = 1):
+    """A loop the hardware runs with bounds known at run time (ints or registers)."""
+    lo, hi, st = _bounds(start, stop, step, "dynamic_range")
+    return _loop_iterations(lo, hi, st)
+
+
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """`for i in range(lower, upper, step): body_fun(i)` as a hardware loop; `i` is a register."""
+    from .registers import VirtualRegister
+    lo, hi, st = _bounds(lower, upper, step, "fori_loop")
+    for i in _loop_iterations(lo, hi, st):
+        body_fun(VirtualRegister(i))
+
+
+def while_loop(init: Any, body_fun: Any) -> None:
+    """`r = init; while r != 0: r = body_fun(r)` as a hardware loop (registers)."""
+    from .registers import VirtualRegister, register_value
+    r = init
+    run = current()
+    run.flush()
+    run.seq_depth += 1
+    try:
+        while register_value(r, "while_loop") != 0:
+            run.new_iteration()
+            run.issue("sync", [], [], partitions=1, free_elems=1, dtype=torch.int32)
+            r = body_fun(r if isinstance(r, VirtualRegister) else VirtualRegister(register_value(r, "while_loop")))
+    finally:
+        run.seq_depth -= 1
+
+
+range = builtins.range  # noqa: A001 - `nl.range`: a specialization-time (unrolled) loop
+
+
 class _LoopReduce:
     """Value of `nl.loop_reduce(x, op, loop_indices)`: assigning it reduces into the target
     across the loop's iterations (the first iteration assigns)."""

@@ -687,7 +687,18 @@ class GatherTile(Tile):
         return None
 
     def torch(self) -> torch.Tensor:
+        return self.buf.storage().reshape(-1)[self.flat_index()]
+
+    def scatter(self, values: torch.Tensor) -> None:
+        """Indirect store: row p of `values` goes to the buffer at index[p]."""
         data = self.buf.storage()
+        flat = data.reshape(-1)
+        if flat.data_ptr() != data.data_ptr() or not data.is_contiguous():
+            raise NKIError("indirect store into a non-contiguous tensor", rule="index")
+        flat[self.flat_index()] = values.to(flat.dtype).reshape(self.shape)
+
+    def flat_index(self) -> torch.Tensor:
+        """Element offsets in the buffer's row-major storage of every element of the view."""
         st = self.buf.strides
         flat = torch.zeros(self.shape, dtype=torch.int64)
         nd = len(self.shape)
@@ -698,14 +709,13 @@ class GatherTile(Tile):
             flat = flat + step * torch.arange(n).view(view)
         (d0, m0), = self.maps[0]
         idx = self.index.torch().reshape(-1).to(torch.int64)
-        lo = int(idx.min()) + self.base[d0] if idx.numel() else 0
-        hi = int(idx.max()) + self.base[d0] if idx.numel() else 0
+        lo = int(idx.min()) * m0 + self.base[d0] if idx.numel() else 0
+        hi = int(idx.max()) * m0 + self.base[d0] if idx.numel() else 0
         if idx.numel() and (lo < 0 or hi >= self.buf.shape[d0]):
             raise OutOfBoundsError(f"dynamic index values [{lo}, {hi}] are out of bounds for dimension "
                                    f"{d0} of {self.buf.kind} tensor of shape {tuple(self.buf.shape)}")
         off = sum(b * st[d] for d, b in enumerate(self.base))
-        flat = flat + off + (idx * m0 * st[d0]).view([-1] + [1] * (nd - 1))
-        return data.reshape(-1)[flat]
+        return flat + off + (idx * m0 * st[d0]).view([-1] + [1] * (nd - 1))
 
     def float32(self) -> torch.Tensor:
         return self.torch().float()
