@@ -1,4 +1,4 @@
-"""Ops that stand for NKI kernels inside compiled graphs.
+"""Host stand-ins for NKI kernels in compiled graphs: one op per kernel, run by host ATen.
 
 A pattern the compiler recognises (patterns.py) is replaced by one of these ops, which the
 kernel plan treats as a single NKI kernel (fusion.NKI_KERNELS) priced by the performance
