@@ -528,11 +528,13 @@ def _dma_runs(t: Tile) -> int:
     return run * t.buf.tdtype.itemsize
 
 
-def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False) -> Tile:
-    """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast."""
+def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False,
+        src_checked: bool = False) -> Tile:
+    """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast.
+    `src_checked`: the source was checked before a DMA transpose permuted its dimensions."""
     run = current()
     # (a PSUM source stored to HBM is staged through SBUF by the compiler; priced as one transfer)
-    for t in (src, dst):
+    for t in ((dst,) if src_checked else (src, dst)):
         if t.buf.kind not in HBM_KINDS:
             t.check_tile(what)
     ranges, pred = mask_narrowing(mask, [src, dst])

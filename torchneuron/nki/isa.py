@@ -53,10 +53,13 @@ def _eng(e: Any) -> str:
     return e.value if isinstance(e, engine) else (e or "")
 
 
-def _take_dst(args: tuple, kwargs: dict, new_form: bool) -> tuple[Tile | None, tuple]:
+def _take_dst(args: tuple, kwargs: dict, new_form: bool, first: str = "") -> tuple[Tile | None, tuple]:
+    """Split off the destination: `dst=` by keyword, or the leading positional tile in the
+    destination-first form (`new_form`, or a positional tile while `first`, the operand the
+    legacy form takes first, comes by keyword: `nisa.tensor_tensor(t, data1=a, data2=b, op=f)`)."""
     if "dst" in kwargs:
         return kwargs.pop("dst"), args
-    if new_form:
+    if new_form or (first and first in kwargs and args and isinstance(args[0], Tile)):
         return args[0], args[1:]
     return None, args
 
@@ -77,7 +80,7 @@ def _finish(dst: Tile | None, result: Tile) -> Tile:
 # ----------------------------------------------------------------------------- Tensor engine
 def nc_matmul(*args, **kwargs) -> Tile:
     """dst (+)= stationary.T @ moving on the Tensor engine: [K,M] x [K,N] -> [M,N] fp32 PSUM."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 3)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 3, "stationary")
     names = ("stationary", "moving")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -90,7 +93,7 @@ def nc_matmul(*args, **kwargs) -> Tile:
 
 def nc_transpose(*args, **kwargs) -> Tile:
     """[P, F] -> [F, P] on the Tensor engine (into PSUM) or the Vector engine (<= 32x32)."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     return _E.transpose_pe(data, dst, _eng(kwargs.get("engine")))
 
@@ -164,7 +167,7 @@ def _reduce_into(res: Tile, data: Tile, op: Any) -> None:
 
 
 def exponential(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     return activation(op=np.exp, data=data, dst=dst, **kwargs) if dst is not None else \
         activation(op=np.exp, data=data, **kwargs)
@@ -174,7 +177,7 @@ def exponential(*args, **kwargs) -> Tile:
 def tensor_tensor(*args, **kwargs) -> Tile:
     """Element-wise data1 <op> data2 on the Vector engine."""
     new = len(args) >= 3 and isinstance(args[0], Tile) and isinstance(args[2], Tile)
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data1")
     names = ("data1", "data2", "op")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -196,7 +199,7 @@ def _scalar_operand(x: Any) -> Any:
 def tensor_scalar(*args, **kwargs) -> Tile:
     """(data <op0> operand0) <op1> operand1, operands scalars or per-partition vectors."""
     new = len(args) >= 2 and isinstance(args[0], Tile) and isinstance(args[1], Tile)
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data")
     names = ("data", "op0", "operand0", "reverse0", "op1", "operand1", "reverse1")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -230,7 +233,7 @@ def tensor_scalar_reduce(*args, **kwargs) -> Tile:
 def scalar_tensor_tensor(*args, **kwargs) -> Tile:
     """(data <op0> operand0) <op1> operand1; operand0 a scalar/vector, operand1 a full tile."""
     new = bool(args) and isinstance(args[0], Tile) and len(args) >= 2 and isinstance(args[1], Tile)
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data")
     names = ("data", "op0", "operand0", "op1", "operand1", "reverse0", "reverse1")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -264,7 +267,7 @@ def tensor_reduce(*args, **kwargs) -> Tile:
 
 def tensor_copy(*args, **kwargs) -> Tile:
     """Copy (and cast) a tile within SBUF/PSUM on the Vector, Scalar or GpSimd engine."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "src")
     src = args[0] if args else kwargs.pop("src")
     eng = _eng(kwargs.get("engine"))
     if eng == "gpsimd" and (src.buf.kind == "psum" or (dst is not None and dst.buf.kind == "psum")):
@@ -275,7 +278,7 @@ def tensor_copy(*args, **kwargs) -> Tile:
 
 
 def reciprocal(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     return _E.elementwise("reciprocal", torch.reciprocal, [data], dtype=kwargs.get("dtype"), dst=dst,
                           mask=kwargs.get("mask"), engine=_eng(kwargs.get("engine")))
@@ -284,7 +287,7 @@ def reciprocal(*args, **kwargs) -> Tile:
 def tensor_tensor_scan(*args, **kwargs) -> Tile:
     """Per partition: res[:, i] = (data0[:, i] <op0> res[:, i-1]) <op1> data1[:, i]."""
     new = len(args) >= 4 and isinstance(args[0], Tile) and not callable(args[3])
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data0")
     names = ("data0", "data1", "initial", "op0", "op1", "reverse0", "reverse1")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -431,7 +434,7 @@ def memset(*args, **kwargs) -> Tile:
 
 
 def dropout(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     prob = args[1] if len(args) > 1 else kwargs.pop("prob")
     from . import language as nl
@@ -448,7 +451,7 @@ def _copy_into(dst: Tile, value: Tile) -> Tile:
 # ----------------------------------------------------------------------------- statistics
 def bn_stats(*args, **kwargs) -> Tile:
     """Per partition (count, mean, var*count) of even and odd elements: 6 values."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     if data.per_partition() > 512:
         raise ShapeError(f"bn_stats: free size {data.per_partition()} exceeds bn_stats_fmax 512")
@@ -468,7 +471,7 @@ def bn_stats(*args, **kwargs) -> Tile:
 
 def bn_aggr(*args, **kwargs) -> Tile:
     """Combine bn_stats groups (count, mean, var*count) into (mean, variance) per partition."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
 
     def compute(x):
@@ -500,7 +503,7 @@ _DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 def dma_transpose(*args, **kwargs) -> Tile:
     """Transpose while copying (DMA engine): a 2-D source is permuted (1, 0), 3-D (2, 1, 0),
     4-D (3, 1, 2, 0), or as `axes` says (one of those)."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "src")
     src = args[0] if args else kwargs.pop("src")
     axes = kwargs.get("axes")
     nd = len(src.shape)
@@ -510,11 +513,13 @@ def dma_transpose(*args, **kwargs) -> Tile:
     if axes != _DMA_TRANSPOSE_AXES[nd]:
         raise ShapeError(f"dma_transpose: axes {axes} are not supported for a {nd}-D source; "
                          f"supported: {_DMA_TRANSPOSE_AXES[nd]}")
+    if src.buf.kind in ("sbuf", "psum"):
+        src.check_tile("dma_transpose source")
     t = Tile(src.buf, tuple(src.shape[a] for a in axes), src.base, tuple(src.maps[a] for a in axes))
     if dst is None:
         run = current()
         dst = Tile.whole(run.allocate("sbuf", t.shape, src.buf.tdtype))
-    return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose")
+    return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose", src_checked=True)
 
 
 def tensor_partition_reduce(*args, **kwargs) -> Tile:
