@@ -92,7 +92,8 @@ def _cases() -> list[Case]:
         return kw
 
     def attn_cte(causal, sw=None):
-        return lambda g: {"q": g.standard_normal((2, 256, 64)).astype(r),
+        # (the sliding-window path takes scale 1: queries scaled down keep logits as for 1/8)
+        return lambda g: {"q": (g.standard_normal((2, 256, 64)) * (0.125 if sw else 1)).astype(r),
                           "k": g.standard_normal((2, 64, 256)).astype(r),
                           "v": g.standard_normal((2, 256, 64)).astype(r), "scale": 1.0 if sw else 0.125,
                           "causal_mask": causal, "sliding_window": sw}

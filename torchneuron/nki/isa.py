@@ -18,6 +18,7 @@ from . import engines as _E
 from .constants import dge_mode, matmul_perf_mode, oob_mode, reduce_cmd  # noqa: F401
 from .registers import (VirtualRegister, register_alloc, register_load, register_move,  # noqa: F401
                         register_store)
+from .selection import max8, nc_find_index8, nc_match_replace8, range_select  # noqa: F401
 from .errors import NKIError, ShapeError
 from .simulator import current
 from .tile import IndexExpr, Predicate, Tile
