@@ -141,8 +141,9 @@ def values(x: Any, run: Run) -> torch.Tensor | float:
 
 
 def as_2d(v, ndim: int):
-    """A 1-D (partition-only) tile broadcasts like a [P, 1] tile."""
-    if isinstance(v, torch.Tensor) and v.dim() == 1 and ndim > 1:
+    """A partition-only tile ([P] or [P, 1]) broadcasts along every free dimension of a
+    higher-rank tile, like a [P, 1, ..., 1] tile."""
+    if isinstance(v, torch.Tensor) and 1 <= v.dim() < ndim and all(s == 1 for s in v.shape[1:]):
         return v.view(v.shape[0], *([1] * (ndim - 1)))
     return v
 

@@ -50,6 +50,19 @@ def get_nc_version() -> nc_version:
     return nc_version({"trn1": 2, "trn2": 3, "trn3": 4}.get(current().target.name, 3))
 
 
+def core_barrier(data: Tile, cores: Any = (0, 1), **kwargs: Any) -> None:
+    """Wait until every core in `cores` has reached this point with `data` written. On one
+    core it orders nothing beyond program order and costs one sync instruction; the simulator
+    runs a multi-core grid's instances one after another, so it cannot honour a barrier across
+    them and says so."""
+    run = current()
+    if run.ncores > 1:
+        raise NKIError("core_barrier across NeuronCores: this simulator runs the instances of an "
+                       f"nl.nc({run.ncores}) grid one after another, so a cross-core barrier cannot be "
+                       "honoured; run the kernel on one core (no nl.nc grid)", rule="core-barrier")
+    run.issue("sync", [data], [data], partitions=1, free_elems=1, dtype=data.buf.tdtype)
+
+
 def _eng(e: Any) -> str:
     return e.value if isinstance(e, engine) else (e or "")
 

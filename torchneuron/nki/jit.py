@@ -114,6 +114,7 @@ class Kernel:
             if hasattr(g, "n") and not isinstance(g, int):
                 ncores = max(ncores, g.n)
         scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(ncores - 1)]
+        run.ncores = ncores
         set_current(run)
         result = None
         threads = torch.get_num_threads()

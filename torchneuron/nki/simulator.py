@@ -108,6 +108,7 @@ class Run:
                          f"PSUM has {t.psum_banks} banks of {t.psum_bank_bytes} B a partition; "
                          "copy results to SBUF and reuse PSUM tiles", spill_to=self.sbuf,
                          on_spill=self._charge_spill)
+        self.ncores = 1             # NeuronCores of the launch grid (nl.nc(n))
         self.program_id: tuple = ()
         self.grid: tuple = ()
         self.shared: dict = {}      # n-th shared_hbm allocation -> Buffer (shared by SPMD instances)
