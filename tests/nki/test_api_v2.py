@@ -179,3 +179,120 @@ def test_numpy_bf16_in_gives_ml_dtypes_bf16_out_and_fp32_min_fill_becomes_minus_
     got = np.asarray(out, dtype=np.float32)
     assert np.all(np.isneginf(got[:, 0]))
     np.testing.assert_array_equal(got[:, 1:], x.astype(np.float32)[:, 1:])
+
+
+def test_max8_find_index8_match_replace8_give_top8_values_and_indices():
+    @nki.jit
+    def k(x):
+        vals = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        idx = nl.ndarray((4, 8), dtype=nl.uint32, buffer=nl.shared_hbm)
+        rest = nl.ndarray((4, 32), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 32), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        v = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+        i = nl.ndarray((4, 8), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.max8(dst=v, src=t)
+        nisa.nc_find_index8(dst=i, data=t, vals=v)
+        nisa.nc_match_replace8(dst=t, data=t, vals=v, imm=float("-inf"))
+        nisa.dma_copy(dst=vals, src=v)
+        nisa.dma_copy(dst=idx, src=i)
+        nisa.dma_copy(dst=rest, src=t)
+        return vals, idx, rest
+    x = _rand(4, 32)
+    vals, idx, rest = nki.simulate_kernel(k, x)
+    want = torch.topk(torch.from_numpy(x), 8, dim=1)
+    np.testing.assert_array_equal(vals, want.values.numpy())
+    np.testing.assert_array_equal(idx.astype(np.int64), want.indices.numpy())
+    expect = x.copy()
+    np.put_along_axis(expect, want.indices.numpy(), -np.inf, 1)
+    np.testing.assert_array_equal(rest, expect)
+
+
+def test_find_index8_gives_repeated_values_successive_positions():
+    @nki.jit
+    def k(x, v):
+        idx = nl.ndarray((1, 8), dtype=nl.uint32, buffer=nl.shared_hbm)
+        t = nl.ndarray((1, 16), dtype=nl.float32, buffer=nl.sbuf)
+        vt = nl.ndarray((1, 8), dtype=nl.float32, buffer=nl.sbuf)
+        i = nl.ndarray((1, 8), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=vt, src=v)
+        nisa.nc_find_index8(dst=i, data=t, vals=vt)
+        nisa.dma_copy(dst=idx, src=i)
+        return idx
+    x = np.array([[3, 1, 3, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5]], np.float32)
+    v = np.array([[5, 3, 3, 3, 2, 1, 0, 0]], np.float32)
+    np.testing.assert_array_equal(nki.simulate_kernel(k, x, v), [[15, 0, 2, 4, 3, 1, 5, 6]])
+
+
+def test_range_select_masks_outside_per_partition_bounds_and_reduces_max():
+    @nki.jit
+    def k(x, lo, hi):
+        out = nl.ndarray((4, 16), dtype=nl.float32, buffer=nl.shared_hbm)
+        mx = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 16), dtype=nl.float32, buffer=nl.sbuf)
+        b0 = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        b1 = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        r = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        for dst, src in ((t, x), (b0, lo), (b1, hi)):
+            nisa.dma_copy(dst=dst, src=src)
+        nisa.range_select(dst=t, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=b0,
+                          bound1=b1, reduce_res=r, reduce_op=nl.maximum,
+                          reduce_cmd=nisa.reduce_cmd.reset_reduce, range_start=100.0, on_false_value=-9.0)
+        nisa.dma_copy(dst=out, src=t)
+        nisa.dma_copy(dst=mx, src=r)
+        return out, mx
+    x = _rand(4, 16)
+    lo = np.array([[100], [104], [110], [0]], np.float32)
+    hi = np.array([[116], [108], [112], [1]], np.float32)
+    out, mx = nki.simulate_kernel(k, x, lo, hi)
+    pos = 100 + np.arange(16)
+    want = np.where((pos >= lo) & (pos < hi), x, -9.0)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(mx[:, 0], want.max(1))
+
+
+def test_positional_destination_before_keyword_operands():
+    """`nisa.tensor_tensor(t, data1=a, data2=b, op=f)`: the positional tile is the destination."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+        a = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=x)
+        nisa.memset(dst=t, value=0.0)
+        nisa.tensor_tensor(t, data1=a, data2=a, op=nl.add)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    x = _rand(4, 8)
+    np.testing.assert_array_equal(nki.simulate_kernel(k, x), 2 * x)
+
+
+def test_partition_scalar_broadcasts_over_every_free_dim():
+    @nki.jit
+    def k(x, b):
+        out = nl.ndarray((4, 2, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 2, 8), dtype=nl.float32, buffer=nl.sbuf)
+        bias = nl.ndarray((4, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=bias, src=b)
+        nisa.activation(dst=t, op=nl.square, data=t, bias=bias)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    x, b = _rand(4, 2, 8), _rand(4, 1)
+    np.testing.assert_allclose(nki.simulate_kernel(k, x, b), (x + b[:, :, None]) ** 2, rtol=1e-6)
+
+
+def test_core_barrier_orders_one_core_and_refuses_a_multi_core_grid():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.core_barrier(data=t, cores=(0, 1))
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    x = _rand(4, 8)
+    np.testing.assert_array_equal(nki.simulate_kernel(k, x), x)
+    with pytest.raises(nki.NKIError, match="one after another"):
+        nki.simulate_kernel(k[nl.nc(2)], x)
