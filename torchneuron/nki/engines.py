@@ -530,9 +530,11 @@ def _dma_runs(t: Tile) -> int:
 
 
 def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False,
-        src_checked: bool = False) -> Tile:
+        src_checked: bool = False, layout: Tile | None = None) -> Tile:
     """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast.
-    `src_checked`: the source was checked before a DMA transpose permuted its dimensions."""
+    `src_checked`: the source was checked before a DMA transpose permuted its dimensions;
+    `layout`: the access the descriptors follow, when not `src` (a transpose reads the
+    source's rows in their own order; the engine permutes them on the way)."""
     run = current()
     # (a PSUM source stored to HBM is staged through SBUF by the compiler; priced as one transfer)
     for t in ((dst,) if src_checked else (src, dst)):
@@ -547,7 +549,7 @@ def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: b
     dst.region()
     if run.compute:
         write(run, dst, src.torch(), pred)
-    hbm = dst if dst.buf.kind in HBM_KINDS else src
+    hbm = dst if dst.buf.kind in HBM_KINDS else (layout if layout is not None else src)
     nbytes = dst.numel() * dst.buf.tdtype.itemsize
     run.hbm_bytes += nbytes * ((src.buf.kind in HBM_KINDS) + (dst.buf.kind in HBM_KINDS))
     cost = dict(partitions=min(src.shape[0] if src.shape else 1, 128),
@@ -575,7 +577,7 @@ def partition_major(t: Tile) -> Tile:
     return Tile(t.buf, tuple(t.shape[d] for d in order), t.base, tuple(t.maps[d] for d in order))
 
 
-def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False) -> Tile:
+def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False, engine: str = "") -> Tile:
     run = current()
     full = dst
     dst = partition_major(dst)
@@ -587,10 +589,10 @@ def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False) -> Ti
         write(run, d, float(scalar_value(value)), pred)
     cost = dict(partitions=d.shape[0] if d.shape else 1, free_elems=d.per_partition(), dtype=d.buf.tdtype)
     if fresh:  # initialising a new allocation: scheduled once the allocation is bound
-        run.issue_value("memset", [], d, **cost)
+        run.issue_value("memset", [], d, engine, **cost)
         run.pending_ranges = ranges
     else:
-        run.issue("memset", [], [d], **cost)
+        run.issue("memset", [], [d], engine, **cost)
     return full
 
 

@@ -159,7 +159,8 @@ def _accumulate_registers(data: Tile, cmd: "reduce_cmd", res: Tile | None, op: A
     if res is not None:
         if run.compute:
             _E.write(run, res, regs)
-        run.issue("tensor_reduce", [data], [res], partitions=data.shape[0], free_elems=1,
+        # the registers are the Scalar engine's: reading them out is its own small instruction
+        run.issue("tensor_reduce", [data], [res], "scalar", partitions=data.shape[0], free_elems=1,
                   dtype=res.buf.tdtype)
 
 
@@ -438,7 +439,7 @@ def memset(*args, **kwargs) -> Tile:
     if "dst" in kwargs or (args and isinstance(args[0], Tile)):
         dst, args = _take_dst(args, kwargs, True)
         value = args[0] if args else kwargs.pop("value")
-        return _E.memset(dst, value, kwargs.get("mask"))
+        return _E.memset(dst, value, kwargs.get("mask"), engine=_eng(kwargs.get("engine")))
     shape = args[0] if args else kwargs.pop("shape")
     value = args[1] if len(args) > 1 else kwargs.pop("value")
     dtype = args[2] if len(args) > 2 else kwargs.pop("dtype")
@@ -533,7 +534,9 @@ def dma_transpose(*args, **kwargs) -> Tile:
     if dst is None:
         run = current()
         dst = Tile.whole(run.allocate("sbuf", t.shape, src.buf.tdtype))
-    return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose", src_checked=True)
+    # Assumption: the DMA engine's transpose reads the source's contiguous rows and permutes
+    # them on the way, so descriptors follow the source's own layout (no published penalty).
+    return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose", src_checked=True, layout=src)
 
 
 def tensor_partition_reduce(*args, **kwargs) -> Tile:

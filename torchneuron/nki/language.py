@@ -255,11 +255,13 @@ def _split_shape(shape: Any) -> tuple[tuple, int]:
 
 def ndarray(shape: Any, dtype: Any = np.float32, buffer: Any = sbuf, name: str = "",
             **kwargs) -> Tile:
-    """Allocate a tensor in `buffer` (`sbuf` default, `psum`, `hbm`, `shared_hbm`)."""
-    return _alloc(shape, dtype, buffer, None, name)
+    """Allocate a tensor in `buffer` (`sbuf` default, `psum`, `hbm`, `shared_hbm`).
+    `address=(start_partition, byte_offset)` places it (NKI 0.4+ direct allocation): the
+    kernel manages the memory, so capacity is checked by address range, not by liveness."""
+    return _alloc(shape, dtype, buffer, None, name, kwargs.get("address"))
 
 
-def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
+def _alloc(shape, dtype, buffer, fill, name="", address=None) -> Tile:
     run = current()
     dims, pdim = _split_shape(shape)
     kind = str(buffer or "sbuf")
@@ -271,9 +273,15 @@ def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
         if buf is None or buf.shape != dims:
             buf = run.shared[key] = run.allocate(kind, dims, tdtype, pdim, fill, name)
         return Tile.whole(buf)
+    base = getattr(buffer, "base", None)
+    if address is not None and kind in ("sbuf", "psum"):
+        start, base = int(address[0]), int(address[1])
+        if start + (dims[pdim] if dims else 1) > run.target.partitions:
+            raise ShapeError(f"{kind} tensor of shape {dims} placed at partition {start} ends past "
+                             f"partition {run.target.partitions - 1}")
     t = Tile.whole(run.allocate(kind, dims, tdtype, pdim, 0 if (fill is not None and kind == "psum")
                                 else None if kind in ("sbuf",) else fill, name,
-                                blocks=getattr(buffer, "tiles", None), base=getattr(buffer, "base", None)))
+                                blocks=getattr(buffer, "tiles", None), base=base))
     if fill is not None and kind == "sbuf" or (kind == "psum" and fill):
         _E.memset(t, fill, fresh=True)
     # A zeroed PSUM tile costs nothing: the first matmul accumulating into it starts a new
