@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .. import nki
 from ..nki import isa as nisa
 from ..nki import language as nl
@@ -217,6 +219,127 @@ def attention_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int
             _finish(tiles.pop(step[0]), out, lse, h, scale, q.dtype, d)
         pending = ahead
     return out, lse
+
+
+def _resident(src, h: int, s: int, d: int, transposed: bool):
+    """One head of a [BH, S, d] tensor in SBUF: natural as [128, S/128, d] (row t*128 + p on
+    partition p) or transposed as [d, S]."""
+    if transposed:
+        dst = nl.ndarray((d, s), dtype=src.dtype, buffer=nl.sbuf)
+        for c in range(0, s, KBLOCK):
+            n = min(KBLOCK, s - c)
+            nisa.dma_transpose(dst=dst[:, c:c + n], src=src[h, c:c + n, :])
+        return dst
+    dst = nl.ndarray((P, s // P, d), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=dst, src=src.ap([[d, P], [P * d, s // P], [1, d]], offset=h * s * d))
+    return dst
+
+
+def _pair_visible(qi: int, kj: int, causal: bool, window: int) -> bool:
+    """Whether any key of tile kj is visible to a query of tile qi."""
+    if causal and kj > qi:
+        return False
+    return not (window > 0 and kj * P + P - 1 <= qi * P - window)
+
+
+@nki.jit
+def attention_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False, window: int = 0):
+    """Gradients (dq [BHq, Sq, d], dk and dv [BHq, Sk, d] per query head) of attention_fwd."""
+    bhq, sq, d, bhk, sk, group = check_shapes(q, k, v, "attention_bwd")
+    isz = q.dtype.itemsize if isinstance(getattr(q.dtype, "itemsize", None), int) else np.dtype(q.dtype).itemsize
+    resident = (3 * sq // P * d + 2 * sq + sk // P * d + 2 * sk + sq // P * d) * isz + sq // P * d * 4
+    if resident > 180 * 1024:
+        raise ValueError(f"attention_bwd: Sq={sq}, Sk={sk} at d={d} need {resident} B a partition for Q, K, V, "
+                         "O, dO and dQ in SBUF; at most 180 KiB (8192 each at d = 128 in bf16)")
+    dq = nl.ndarray((bhq, sq, d), dtype=q.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((bhq, sk, d), dtype=q.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((bhq, sk, d), dtype=q.dtype, buffer=nl.shared_hbm)
+    h = nl.program_id(0)
+    kv = h // group
+    q_n, q_t = _resident(q, h, sq, d, False), _resident(q, h, sq, d, True)
+    do_n, do_t = _resident(do, h, sq, d, False), _resident(do, h, sq, d, True)
+    k_n, k_t = _resident(k, kv, sk, d, False), _resident(k, kv, sk, d, True)
+    v_t = _resident(v, kv, sk, d, True)
+    nq = sq // P
+    # -lse and D = rowsum(dO * O) per query tile, [128, nq] fp32
+    neg_lse = nl.ndarray((P, nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=neg_lse, src=lse.ap([[1, P], [P, nq], [1, 1]], offset=h * sq))
+    nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+    o_n = _resident(o, h, sq, d, False)
+    dsum = nl.ndarray((P, nq), dtype=nl.float32, buffer=nl.sbuf)
+    for qi in range(nq):
+        prod = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod, data1=do_n[:, qi, :], data2=o_n[:, qi, :], op=nl.multiply,
+                           engine=nisa.gpsimd_engine)
+        nisa.tensor_reduce(dst=dsum[:, qi:qi + 1], op=nl.add, data=prod, axis=1)
+    dq_acc = nl.ndarray((P, nq, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=dq_acc, value=0.0, engine=nisa.gpsimd_engine)
+    bounds: dict = {}
+
+    def phase_a(qi: int, kj: int):
+        """S, its mask, P = exp(scale * S - lse), dP = dO V^T for one (query, key) tile pair."""
+        s_ps = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=s_ps, stationary=q_t[:, qi * P:(qi + 1) * P], moving=k_t[:, kj * P:(kj + 1) * P])
+        s_in = s_ps
+        if _needs_mask(qi, kj * P, kj * P + P, causal, window):
+            if qi not in bounds:
+                bounds[qi] = _bounds(qi, causal, window, sk)
+            lo, hi = bounds[qi]
+            s_in = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.range_select(dst=s_in, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                              bound0=lo, bound1=hi, range_start=float(kj * P), on_false_value=NEG)
+        p_sb = nl.ndarray((P, P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=p_sb, op=nl.exp, data=s_in, bias=neg_lse[:, qi, :], scale=scale)
+        dp_ps = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=dp_ps, stationary=do_t[:, qi * P:(qi + 1) * P], moving=v_t[:, kj * P:(kj + 1) * P])
+        return p_sb, dp_ps
+
+    def phase_b(qi: int, kj: int, p_sb, dp_ps, dv_ps, dk_ps) -> None:
+        """dV += P^T dO, dS = P (dP - D), dK += dS^T Q, dQ += dS K."""
+        nisa.nc_matmul(dst=dv_ps, stationary=p_sb, moving=do_n[:, qi, :])
+        ds = nl.ndarray((P, P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=dsum[:, qi:qi + 1],
+                                  op1=nl.multiply, operand1=p_sb)
+        nisa.nc_matmul(dst=dk_ps, stationary=ds, moving=q_n[:, qi, :])
+        dst_ps = nl.ndarray((P, P), dtype=q.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=dst_ps, data=ds)
+        ds_t = nl.ndarray((P, P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=ds_t, src=dst_ps, engine=nisa.scalar_engine)
+        dq_ps = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=dq_ps, stationary=ds_t, moving=k_n[:, kj, :])
+        nisa.tensor_tensor(dst=dq_acc[:, qi, :], data1=dq_acc[:, qi, :], data2=dq_ps, op=nl.add)
+
+    def store_dkv(kj: int, dv_ps, dk_ps) -> None:
+        for src, dst, mult in ((dv_ps, dv, 1.0), (dk_ps, dk, scale)):
+            out_sb = nl.ndarray((P, d), dtype=q.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=out_sb, op=nl.copy, data=src, scale=mult)
+            nisa.dma_copy(dst=dst[h, kj * P:(kj + 1) * P, :], src=out_sb)
+
+    # FlashAttention-2 order: key tiles outer (dK, dV accumulate in PSUM), query tiles inner;
+    # phase A of the next pair is issued before phase B of this one (two pairs in flight)
+    pairs = [(qi, kj) for kj in range(sk // P) for qi in range(nq) if _pair_visible(qi, kj, causal, window)]
+    acc: dict = {}
+    pending = phase_a(*pairs[0]) if pairs else None
+    for i, (qi, kj) in enumerate(pairs):
+        ahead = phase_a(*pairs[i + 1]) if i + 1 < len(pairs) else None
+        if kj not in acc:
+            acc[kj] = (nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum),
+                       nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum))
+        phase_b(qi, kj, *pending, *acc[kj])
+        if i + 1 == len(pairs) or pairs[i + 1][1] != kj:
+            store_dkv(kj, *acc.pop(kj))
+        pending = ahead
+    seen = {p[1] for p in pairs}
+    for kj in range(sk // P):  # key tiles no query sees get zero gradients
+        if kj not in seen:
+            zero = nl.ndarray((P, d), dtype=q.dtype, buffer=nl.sbuf)
+            nisa.memset(dst=zero, value=0.0, engine=nisa.gpsimd_engine)
+            nisa.dma_copy(dst=dk[h, kj * P:(kj + 1) * P, :], src=zero)
+            nisa.dma_copy(dst=dv[h, kj * P:(kj + 1) * P, :], src=zero)
+    dq_sb = nl.ndarray((P, nq, d), dtype=q.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=dq_sb, data=dq_acc, op0=nl.multiply, operand0=scale, engine=nisa.gpsimd_engine)
+    nisa.dma_copy(dst=dq.ap([[d, P], [P * d, nq], [1, d]], offset=h * sq * d), src=dq_sb)
+    return dq, dk, dv
 
 
 def flops(bhq: int, sq: int, sk: int, d: int, causal: bool, window: int = 0, backward: bool = False) -> float:
