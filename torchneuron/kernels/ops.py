@@ -7,6 +7,8 @@ neuron tensors, in eager mode and under torch.compile.
   causal, sliding window) with the forward and backward flash-attention kernels.
 - `paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)`: a few new
   tokens per sequence against a block-table KV cache.
+- `router_topk(x, w, k)`, `grouped_matmul(x, w, block_expert)`: MoE routing and the blockwise
+  grouped matmul (forward only: no weight-gradient kernel yet).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from ..nki import nki_op, register_autograd
 from . import attention, norms
-from . import decode_attention
+from . import decode_attention, moe
 from . import flash_attention as mha
 
 rmsnorm_op = nki_op("nki_kernels::rmsnorm", norms.rmsnorm)
@@ -112,3 +114,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return decode_attention_op(q.contiguous(), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
                                context_lens.to(torch.int32).reshape(-1, 1).contiguous(), scale)
+
+
+# -- mixture of experts (moe.py) -----------------------------------------------------------------
+router_topk_op = nki_op("nki_kernels::router_topk", moe.router_topk, num_outputs=2, arg_types={"k": int})
+grouped_matmul_op = nki_op("nki_kernels::grouped_matmul", moe.grouped_matmul)
+
+
+def router_topk(x: torch.Tensor, w: torch.Tensor, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts of each token (softmax over experts, chosen weights renormalised):
+    x [T, H], w [H, E] -> (weights [T, k] fp32, experts [T, k] int32)."""
+    return router_topk_op(x.contiguous(), w.contiguous(), int(k))
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
+    """x [NB * 512, K] in blocks of 512 tokens, block b times w[block_expert[b]] (w [E, K, N])."""
+    return grouped_matmul_op(x.contiguous(), w.contiguous(), block_expert.to(torch.int32).reshape(-1, 1).contiguous())
