@@ -44,6 +44,10 @@ from torchneuron.compiler import register as _register_compiler  # noqa: E402
 
 _register_compiler()  # torch.compile(backend="neuron"), found by name once Dynamo is imported
 
+from torchneuron.kernels.pricing import install as _install_kernel_pricing  # noqa: E402
+
+_install_kernel_pricing()  # attention ops are charged their NKI kernels' simulated latency
+
 from torchneuron.eager import configure_from_env as _configure_eager, set_eager_mode  # noqa: E402
 
 _configure_eager()  # TORCHNEURON_EAGER_MODE=adaptive

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchneuron.compiler import nki_kernels
+from torchneuron.compiler import host_stand_ins
 
 
 def attention(q, k, v, mask, causal):
@@ -21,8 +21,8 @@ def masks(length):
 @pytest.mark.parametrize("kind", ["causal", "bool", "additive"])
 def test_compiled_attention_matches_eager_forward_and_backward(fresh_dynamo, kind, monkeypatch):
     lowered = []
-    original = nki_kernels.lower_to_host
-    monkeypatch.setattr(nki_kernels, "lower_to_host", lambda gm: lowered.append(original(gm)) or lowered[-1])
+    original = host_stand_ins.lower_to_host
+    monkeypatch.setattr(host_stand_ins, "lower_to_host", lambda gm: lowered.append(original(gm)) or lowered[-1])
     mask, causal = masks(16)[kind]
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(2, 4, 16, 8, generator=g) for _ in range(3)]

@@ -161,7 +161,7 @@ def test_convolution_and_attention_flops():
     assert sdpa.flops == pytest.approx(4 * 2 * 8 * 1024 * 1024 * 64 + 5 * 2 * 8 * 1024 * 1024)
     backward = op_cost("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
                        [q, q, q, q, q], [q, q, q], TRN2)
-    assert backward.duration_s > 2 * sdpa.duration_s
+    assert backward.duration_s > 1.5 * sdpa.duration_s
 
 
 def test_unknown_ops_are_priced_like_elementwise_and_views_are_free():

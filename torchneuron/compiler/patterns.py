@@ -2,7 +2,7 @@
 
 It runs before autograd (so a kernel's backward is its own NKI kernel, not the derivative of
 a decomposition) over the torch-level graph. Each `Substitution` recognises a call and, when
-the NKI kernel supports the arguments, rewrites it into calls of an op from nki_kernels.py.
+the NKI kernel supports the arguments, rewrites it into calls of an op from host_stand_ins.py.
 
 Built in: `torch.nn.functional.scaled_dot_product_attention` (without dropout or grouped
 query attention, on float32/bfloat16/float16 neuron tensors, with a causal flag or an
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from torchneuron.compiler import nki_kernels  # noqa: F401  (defines the torchneuron:: ops)
+from torchneuron.compiler import host_stand_ins  # noqa: F401  (defines the torchneuron:: ops)
 
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 

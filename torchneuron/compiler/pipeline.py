@@ -7,7 +7,7 @@ so it runs inside Inductor after decomposition and autograd, before lowering, an
 1. passes.py: dead code, constant folding, layout and dtype normalisation;
 2. partition.py: device / host-fallback / cpu placement of every op;
 3. graph_fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
-4. nki_kernels.lower_to_host: NKI-kernel ops become the host kernels they execute as;
+4. host_stand_ins.lower_to_host: NKI-kernel ops become the host kernels they execute as;
 5. for adaptive eager's programs (eager_numerics.py), ops whose generated code would round
    unlike the eager kernel are called as that kernel;
 
@@ -24,7 +24,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch.fx import GraphModule
 
-from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, nki_kernels
+from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, host_stand_ins
 from torchneuron.compiler.cost import eager_cost, plan_costs
 from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
@@ -94,7 +94,7 @@ class NeuronGraphPass(CustomGraphModulePass):
         symbols = symbol_sources(gm)
         plan = GraphPlan(name, _device_index(gm), kernels, symbols)
         gm.meta[PLAN_META_KEY] = plan
-        rewrites["lowered_to_host_kernels"] = nki_kernels.lower_to_host(gm)
+        rewrites["lowered_to_host_kernels"] = host_stand_ins.lower_to_host(gm)
         if eager_numerics.active():  # an adaptive eager program: rounds as the eager kernels do
             rewrites["called_as_eager_kernels"] = eager_numerics.mark_eager_calls(gm)
         if dumping:

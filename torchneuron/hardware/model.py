@@ -661,8 +661,37 @@ def _scalar_read_cost(target: Target, ins: Sequence[TensorSig]) -> Cost:
 _FLOPS_PER_ELEMENT = {"softmax": 5.0, "softmax_backward": 3.0, "norm": 7.0, "norm_backward": 10.0}
 
 
+# Kernel libraries above this floor (torchneuron.kernels) price some categories by simulating
+# the NKI kernel that does the work: pricer(target, op name, ins, outs) -> seconds or None.
+_KERNEL_PRICERS: dict[str, Callable] = {}
+
+
+def register_kernel_pricer(category: str, pricer: Callable | None) -> None:
+    """Price `category` ("attention", ...) by `pricer`: it returns the modeled seconds of the
+    kernel that runs the op (e.g. its NKI kernel's simulated latency), or None where it has
+    no kernel for the shapes (the formula prices those). FLOPs and bytes stay the formula's.
+    None unregisters."""
+    if pricer is None:
+        _KERNEL_PRICERS.pop(category, None)
+    else:
+        _KERNEL_PRICERS[category] = pricer
+    _cache.clear()
+
+
 def _device_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
     category = op_category(op)
+    pricer = _KERNEL_PRICERS.get(category)
+    if pricer is not None:
+        cost = _formula_cost(target, op, category, ins, outs)
+        seconds = pricer(target, base_name(op), ins, outs)
+        if seconds is not None:
+            return replace(cost, duration_s=float(seconds), engine="tensor", bound="compute")
+        return cost
+    return _formula_cost(target, op, category, ins, outs)
+
+
+def _formula_cost(target: Target, op: str, category: str, ins: Sequence[TensorSig],
+                  outs: Sequence[TensorSig]) -> Cost:
     name = base_name(op)
     work: _Work | None = None
     special = _SPECIAL_WORK.get(name)

@@ -3,6 +3,12 @@ neuron tensors, in eager mode and under torch.compile.
 
 - `rmsnorm(x, weight, eps)`: any leading shape; backward through the `rmsnorm_bwd` kernel.
 - `flash_attention(q, k, v, causal, scale)`: [S, d] single-head attention (forward kernel).
+- `attention(q, k, v, causal, scale, window)`: [B, H, S, d] multi-head attention (GQA/MQA,
+  causal, sliding window) with the forward and backward flash-attention kernels.
+- `paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)`: a few new
+  tokens per sequence against a block-table KV cache.
+- `router_topk(x, w, k)`, `grouped_matmul(x, w, block_expert)`: MoE routing and the blockwise
+  grouped matmul (forward only: no weight-gradient kernel yet).
 """
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import torch
 
 from ..nki import nki_op, register_autograd
 from . import attention, norms
+from . import decode_attention, moe
+from . import flash_attention as mha
 
 rmsnorm_op = nki_op("nki_kernels::rmsnorm", norms.rmsnorm)
 rmsnorm_bwd_op = nki_op("nki_kernels::rmsnorm_bwd", norms.rmsnorm_bwd, num_outputs=2)
@@ -43,3 +51,82 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     to 512; d <= 128)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return flash_attention_fwd_op(q.T.contiguous(), k.T.contiguous(), v.contiguous(), scale, causal)
+
+
+# -- multi-head flash attention (flash_attention.py): [B*H, S, d] layouts, GQA, masks ----------
+def _heads(q, *rest):
+    return (q.shape[0],)
+
+
+attention_fwd_op = nki_op("nki_kernels::attention_fwd", mha.attention_fwd, num_outputs=2,
+                          grid=_heads, arg_types={"scale": float, "causal": bool, "window": int})
+attention_bwd_op = nki_op("nki_kernels::attention_bwd", mha.attention_bwd, num_outputs=3,
+                          grid=_heads, arg_types={"scale": float, "causal": bool, "window": int})
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, scale, causal, window = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (scale, causal, window)
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(q, k, v, out, grad_out.contiguous(), lse, *ctx.args)
+    group = q.shape[0] // k.shape[0]
+    if group > 1:  # per query head -> per key/value head (a GQA group shares one)
+        dk = dk.unflatten(0, (k.shape[0], group)).sum(1)
+        dv = dv.unflatten(0, (k.shape[0], group)).sum(1)
+    return dq, dk, dv, None, None, None
+
+
+register_autograd(attention_fwd_op, _attention_backward, setup_context=_attention_setup)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """softmax(scale q k^T + mask) v with the NKI flash-attention kernels (forward and, under
+    autograd, backward). q [B, Hq, Sq, d], k and v [B, Hkv, Sk, d] (Hq a multiple of Hkv:
+    GQA / MQA), d <= 128, S multiples of 128, bf16 / fp16 / fp32. `window` > 0 keeps the
+    last `window` keys up to each query (sliding window; with `causal`)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("nki attention: q, k and v must be [B, H, S, d]")
+    b, hq, sq, d = q.shape
+    hk = k.shape[1]
+    scale = d ** -0.5 if scale is None else float(scale)
+    out, _ = attention_fwd_op(q.reshape(b * hq, sq, d).contiguous(), k.reshape(b * hk, -1, d).contiguous(),
+                              v.reshape(b * hk, -1, d).contiguous(), scale, bool(causal), int(window))
+    return out.reshape(b, hq, sq, d)
+
+
+# -- decode (paged) attention (decode_attention.py) --------------------------------------------
+decode_attention_op = nki_op("nki_kernels::decode_attention", decode_attention.decode_attention,
+                             grid=_heads, arg_types={"scale": float})
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """Attention of q [B, T, Hq, d] (T new tokens) against each sequence's cached keys:
+    k_cache [blocks, d, Hkv, bs], v_cache [blocks, bs, Hkv, d], block_table [B, max_blocks],
+    context_lens [B] (the new tokens included). Returns [B, T, Hq, d]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return decode_attention_op(q.contiguous(), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+                               context_lens.to(torch.int32).reshape(-1, 1).contiguous(), scale)
+
+
+# -- mixture of experts (moe.py) -----------------------------------------------------------------
+router_topk_op = nki_op("nki_kernels::router_topk", moe.router_topk, num_outputs=2, arg_types={"k": int})
+grouped_matmul_op = nki_op("nki_kernels::grouped_matmul", moe.grouped_matmul)
+
+
+def router_topk(x: torch.Tensor, w: torch.Tensor, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts of each token (softmax over experts, chosen weights renormalised):
+    x [T, H], w [H, E] -> (weights [T, k] fp32, experts [T, k] int32)."""
+    return router_topk_op(x.contiguous(), w.contiguous(), int(k))
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
+    """x [NB * 512, K] in blocks of 512 tokens, block b times w[block_expert[b]] (w [E, K, N])."""
+    return grouped_matmul_op(x.contiguous(), w.contiguous(), block_expert.to(torch.int32).reshape(-1, 1).contiguous())

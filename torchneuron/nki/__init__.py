@@ -21,6 +21,7 @@ from .jit import (Kernel, KernelStats, baremetal, benchmark, jit, profile, simul
 from .tile import Tile  # noqa: F401
 
 tensor = Tile  # `nki.tensor` type name used in annotations
+dtype = object  # `nki.dtype`: annotations only; any dtype spelling of `nki.language` is one
 
 __all__ = ["isa", "language", "typing", "jit", "simulate_kernel", "simulate", "baremetal",
            "benchmark", "profile", "install_import_alias", "uninstall_import_alias", "nki_op",

@@ -18,7 +18,7 @@ import sys
 import types
 
 _ROOTS = ("neuronxcc.nki", "nki")
-_SUBMODULES = {"language", "isa", "typing", "compiler"}
+_SUBMODULES = {"language", "isa", "typing", "compiler", "isa.constants"}
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -35,6 +35,9 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module):
         if self.target == "":
             module.nki = importlib.import_module("torchneuron.nki")
+        elif self.target == "torchneuron.nki.isa":
+            # `nki.isa` is a module here, `nki.isa.constants` its submodule (a package in NKI)
+            sys.modules[module.__spec__.name + ".constants"] = module.constants
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
@@ -56,7 +59,7 @@ def _map(name: str) -> str | None:
         if name.startswith(root + "."):
             rest = name[len(root) + 1:]
             if rest in _SUBMODULES:
-                return f"torchneuron.nki.{rest}"
+                return "torchneuron.nki." + ("constants" if rest == "isa.constants" else rest)
     return None
 
 

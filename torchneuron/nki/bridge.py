@@ -31,19 +31,24 @@ def _annotation(param: inspect.Parameter) -> Any:
     return torch.Tensor
 
 
-def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1, grid: Sequence[int] | None = None,
+def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1,
+           grid: Sequence[int] | Callable[..., tuple] | None = None,
            arg_types: dict | None = None, mutates_args: Sequence[str] = ()) -> Any:
     """Register `kernel` as the torch custom op `qualname` ("namespace::name").
 
     Parameters without defaults are tensors; ones with int/float/bool defaults are scalars
-    (override with `arg_types={"name": float}`). The op returns `num_outputs` tensors. Its
+    (override with `arg_types={"name": float}`). `grid` is a launch grid, or a function of
+    the op's arguments that returns one (e.g. one program per head). The op returns `num_outputs` tensors. Its
     fake implementation runs the kernel timing-only on shape placeholders to learn the
     output shapes and dtypes, so `torch.compile` can trace it. Returns the custom op
     (callable; also reachable as `torch.ops.<namespace>.<name>`).
     """
     k = kernel if isinstance(kernel, Kernel) else jit(kernel)
-    if grid:
+    if grid and not callable(grid):
         k = k[tuple(grid)]
+
+    def launch(args: tuple) -> Kernel:
+        return k[tuple(grid(*args))] if callable(grid) else k
     sig = inspect.signature(k.fn)
     params = []
     for p in sig.parameters.values():
@@ -54,7 +59,7 @@ def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1, grid: Sequence[i
     ret = torch.Tensor if num_outputs == 1 else tuple[tuple([torch.Tensor] * num_outputs)]
 
     def impl(*args, **kwargs):
-        out = k(*args, **kwargs)
+        out = launch(args)(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         fixed = tuple(o.clone() if any(o is i for i in inputs) else o for o in outs)  # no aliasing
@@ -69,7 +74,7 @@ def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1, grid: Sequence[i
         holders = [TensorType(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
         kw = {n: (TensorType(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
               for n, v in kwargs.items()}
-        res, _ = k.run(tuple(holders), kw)
+        res, _ = launch(args).run(tuple(holders), kw)
         res = res if isinstance(res, (tuple, list)) else (res,)
         outs = tuple(torch.empty(r.shape, dtype=_torch_dtype(r.dtype), device=device) for r in res)
         return outs[0] if num_outputs == 1 else outs

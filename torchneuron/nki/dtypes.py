@@ -61,6 +61,11 @@ bfloat16 = NkiDType("bfloat16", torch.bfloat16)
 float8_e4m3 = NkiDType("float8_e4m3", torch.float8_e4m3fn)
 float8_e4m3fn = NkiDType("float8_e4m3fn", torch.float8_e4m3fn)
 float8_e5m2 = NkiDType("float8_e5m2", torch.float8_e5m2)
+# MX packed types: four fp8 values in one 32-bit element, four fp4 values in one 16-bit element
+# (stored as the raw bits; the Tensor engine's MX matmul unpacks them with their scales).
+float8_e4m3fn_x4 = NkiDType("float8_e4m3fn_x4", torch.uint32)
+float8_e5m2_x4 = NkiDType("float8_e5m2_x4", torch.uint32)
+float4_e2m1fn_x4 = NkiDType("float4_e2m1fn_x4", torch.uint16)
 # tf32 tiles are stored as fp32; the Tensor engine rounds them to 10 mantissa bits.
 tfloat32 = NkiDType("tfloat32", torch.float32)
 
@@ -79,7 +84,8 @@ _TORCH_TO_NKI: dict[torch.dtype, object] = {
     torch.int32: np.int32, torch.uint32: np.uint32, torch.int64: np.int64, torch.bool: np.bool_,
     torch.float64: np.float64,
 }
-_NAMES = {"bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn,
+_NAMES = {"float8_e4m3fn_x4": torch.uint32, "float8_e5m2_x4": torch.uint32,
+          "float4_e2m1fn_x4": torch.uint16, "bfloat16": torch.bfloat16, "float8_e4m3": torch.float8_e4m3fn,
           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
           "tfloat32": torch.float32}
 _cache: dict[object, torch.dtype] = {}

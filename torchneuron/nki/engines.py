@@ -142,8 +142,9 @@ def values(x: Any, run: Run) -> torch.Tensor | float:
 
 
 def as_2d(v, ndim: int):
-    """A 1-D (partition-only) tile broadcasts like a [P, 1] tile."""
-    if isinstance(v, torch.Tensor) and v.dim() == 1 and ndim > 1:
+    """A partition-only tile ([P] or [P, 1]) broadcasts along every free dimension of a
+    higher-rank tile, like a [P, 1, ..., 1] tile."""
+    if isinstance(v, torch.Tensor) and 1 <= v.dim() < ndim and all(s == 1 for s in v.shape[1:]):
         return v.view(v.shape[0], *([1] * (ndim - 1)))
     return v
 
@@ -247,6 +248,8 @@ def write(run: Run, dst: Tile, result: torch.Tensor | float, pred: Predicate | N
     if not run.compute:
         return
     dst.buf.prepare_write()
+    from .tile import GatherTile
+    scatter = dst if isinstance(dst, GatherTile) else None  # indirect store: gather, update, scatter
     view = dst.torch()
     if isinstance(result, torch.Tensor) and result.shape != view.shape:
         if result.numel() == view.numel():
@@ -266,8 +269,12 @@ def write(run: Run, dst: Tile, result: torch.Tensor | float, pred: Predicate | N
         view.add_(result)
     elif isinstance(result, torch.Tensor):
         view.copy_(result)
+    elif view.dtype.is_floating_point:  # a float32 value rounds as the hardware casts it
+        view.copy_(torch.tensor(float(result), dtype=torch.float32).expand(view.shape))
     else:
         view.fill_(result)
+    if scatter is not None:
+        scatter.scatter(view)
 
 
 def same_partitions(dst: Tile, src_shape: tuple, what: str) -> None:
@@ -523,17 +530,17 @@ def _dma_runs(t: Tile) -> int:
     return run * t.buf.tdtype.itemsize
 
 
-def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False) -> Tile:
-    """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast."""
+def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: bool = False,
+        src_checked: bool = False, layout: Tile | None = None) -> Tile:
+    """A DMA transfer between HBM and SBUF (or SBUF<->SBUF, HBM<->HBM), with dtype cast.
+    `src_checked`: the source was checked before a DMA transpose permuted its dimensions;
+    `layout`: the access the descriptors follow, when not `src` (a transpose reads the
+    source's rows in their own order; the engine permutes them on the way)."""
     run = current()
     # (a PSUM source stored to HBM is staged through SBUF by the compiler; priced as one transfer)
-    for t in (src, dst):
+    for t in ((dst,) if src_checked else (src, dst)):
         if t.buf.kind not in HBM_KINDS:
             t.check_tile(what)
-    from .tile import GatherTile
-    if isinstance(dst, GatherTile):
-        raise NKIError(f"{what}: indirect (dynamic-index) stores are not supported by this simulator",
-                       rule="index")
     ranges, pred = mask_narrowing(mask, [src, dst])
     src, dst = narrow(src, ranges), narrow(dst, ranges)
     if src.numel() != dst.numel():
@@ -543,7 +550,7 @@ def dma(dst: Tile, src: Tile, mask: Any = None, what: str = "dma_copy", fresh: b
     dst.region()
     if run.compute:
         write(run, dst, src.torch(), pred)
-    hbm = dst if dst.buf.kind in HBM_KINDS else src
+    hbm = dst if dst.buf.kind in HBM_KINDS else (layout if layout is not None else src)
     nbytes = dst.numel() * dst.buf.tdtype.itemsize
     run.hbm_bytes += nbytes * ((src.buf.kind in HBM_KINDS) + (dst.buf.kind in HBM_KINDS))
     cost = dict(partitions=min(src.shape[0] if src.shape else 1, 128),
@@ -571,7 +578,7 @@ def partition_major(t: Tile) -> Tile:
     return Tile(t.buf, tuple(t.shape[d] for d in order), t.base, tuple(t.maps[d] for d in order))
 
 
-def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False) -> Tile:
+def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False, engine: str = "") -> Tile:
     run = current()
     full = dst
     dst = partition_major(dst)
@@ -583,10 +590,10 @@ def memset(dst: Tile, value: float, mask: Any = None, fresh: bool = False) -> Ti
         write(run, d, float(scalar_value(value)), pred)
     cost = dict(partitions=d.shape[0] if d.shape else 1, free_elems=d.per_partition(), dtype=d.buf.tdtype)
     if fresh:  # initialising a new allocation: scheduled once the allocation is bound
-        run.issue_value("memset", [], d, **cost)
+        run.issue_value("memset", [], d, engine, **cost)
         run.pending_ranges = ranges
     else:
-        run.issue("memset", [], [d], **cost)
+        run.issue("memset", [], [d], engine, **cost)
     return full
 
 

@@ -13,7 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import constants  # noqa: F401 - nisa.constants
 from . import engines as _E
+from .constants import dge_mode, matmul_perf_mode, oob_mode, reduce_cmd  # noqa: F401
+from .registers import (VirtualRegister, register_alloc, register_load, register_move,  # noqa: F401
+                        register_store)
+from .selection import max8, nc_find_index8, nc_match_replace8, range_select  # noqa: F401
 from .errors import NKIError, ShapeError
 from .simulator import current
 from .indexing import IndexExpr, Predicate
@@ -46,32 +51,30 @@ def get_nc_version() -> nc_version:
     return nc_version({"trn1": 2, "trn2": 3, "trn3": 4}.get(current().target.name, 3))
 
 
-class reduce_cmd(enum.Enum):  # noqa: N801
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-
-
-class matmul_perf_mode(enum.Enum):  # noqa: N801
-    none = 0
-    double_row = 1
-
-
-class dge_mode(enum.Enum):  # noqa: N801
-    unknown = 0
-    swdge = 1
-    hwdge = 2
+def core_barrier(data: Tile, cores: Any = (0, 1), **kwargs: Any) -> None:
+    """Wait until every core in `cores` has reached this point with `data` written. On one
+    core it orders nothing beyond program order and costs one sync instruction; the simulator
+    runs a multi-core grid's instances one after another, so it cannot honour a barrier across
+    them and says so."""
+    run = current()
+    if run.ncores > 1:
+        raise NKIError("core_barrier across NeuronCores: this simulator runs the instances of an "
+                       f"nl.nc({run.ncores}) grid one after another, so a cross-core barrier cannot be "
+                       "honoured; run the kernel on one core (no nl.nc grid)", rule="core-barrier")
+    run.issue("sync", [data], [data], partitions=1, free_elems=1, dtype=data.buf.tdtype)
 
 
 def _eng(e: Any) -> str:
     return e.value if isinstance(e, engine) else (e or "")
 
 
-def _take_dst(args: tuple, kwargs: dict, new_form: bool) -> tuple[Tile | None, tuple]:
+def _take_dst(args: tuple, kwargs: dict, new_form: bool, first: str = "") -> tuple[Tile | None, tuple]:
+    """Split off the destination: `dst=` by keyword, or the leading positional tile in the
+    destination-first form (`new_form`, or a positional tile while `first`, the operand the
+    legacy form takes first, comes by keyword: `nisa.tensor_tensor(t, data1=a, data2=b, op=f)`)."""
     if "dst" in kwargs:
         return kwargs.pop("dst"), args
-    if new_form:
+    if new_form or (first and first in kwargs and args and isinstance(args[0], Tile)):
         return args[0], args[1:]
     return None, args
 
@@ -92,7 +95,7 @@ def _finish(dst: Tile | None, result: Tile) -> Tile:
 # ----------------------------------------------------------------------------- Tensor engine
 def nc_matmul(*args, **kwargs) -> Tile:
     """dst (+)= stationary.T @ moving on the Tensor engine: [K,M] x [K,N] -> [M,N] fp32 PSUM."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 3)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 3, "stationary")
     names = ("stationary", "moving")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -105,7 +108,7 @@ def nc_matmul(*args, **kwargs) -> Tile:
 
 def nc_transpose(*args, **kwargs) -> Tile:
     """[P, F] -> [F, P] on the Tensor engine (into PSUM) or the Vector engine (<= 32x32)."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     return _E.transpose_pe(data, dst, _eng(kwargs.get("engine")))
 
@@ -157,7 +160,8 @@ def _accumulate_registers(data: Tile, cmd: "reduce_cmd", res: Tile | None, op: A
     if res is not None:
         if run.compute:
             _E.write(run, res, regs)
-        run.issue("tensor_reduce", [data], [res], partitions=data.shape[0], free_elems=1,
+        # the registers are the Scalar engine's: reading them out is its own small instruction
+        run.issue("tensor_reduce", [data], [res], "scalar", partitions=data.shape[0], free_elems=1,
                   dtype=res.buf.tdtype)
 
 
@@ -179,7 +183,7 @@ def _reduce_into(res: Tile, data: Tile, op: Any) -> None:
 
 
 def exponential(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     return activation(op=np.exp, data=data, dst=dst, **kwargs) if dst is not None else \
         activation(op=np.exp, data=data, **kwargs)
@@ -189,7 +193,7 @@ def exponential(*args, **kwargs) -> Tile:
 def tensor_tensor(*args, **kwargs) -> Tile:
     """Element-wise data1 <op> data2 on the Vector engine."""
     new = len(args) >= 3 and isinstance(args[0], Tile) and isinstance(args[2], Tile)
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data1")
     names = ("data1", "data2", "op")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -211,7 +215,7 @@ def _scalar_operand(x: Any) -> Any:
 def tensor_scalar(*args, **kwargs) -> Tile:
     """(data <op0> operand0) <op1> operand1, operands scalars or per-partition vectors."""
     new = len(args) >= 2 and isinstance(args[0], Tile) and isinstance(args[1], Tile)
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data")
     names = ("data", "op0", "operand0", "reverse0", "op1", "operand1", "reverse1")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -245,7 +249,7 @@ def tensor_scalar_reduce(*args, **kwargs) -> Tile:
 def scalar_tensor_tensor(*args, **kwargs) -> Tile:
     """(data <op0> operand0) <op1> operand1; operand0 a scalar/vector, operand1 a full tile."""
     new = bool(args) and isinstance(args[0], Tile) and len(args) >= 2 and isinstance(args[1], Tile)
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data")
     names = ("data", "op0", "operand0", "op1", "operand1", "reverse0", "reverse1")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -279,7 +283,7 @@ def tensor_reduce(*args, **kwargs) -> Tile:
 
 def tensor_copy(*args, **kwargs) -> Tile:
     """Copy (and cast) a tile within SBUF/PSUM on the Vector, Scalar or GpSimd engine."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "src")
     src = args[0] if args else kwargs.pop("src")
     eng = _eng(kwargs.get("engine"))
     if eng == "gpsimd" and (src.buf.kind == "psum" or (dst is not None and dst.buf.kind == "psum")):
@@ -290,7 +294,7 @@ def tensor_copy(*args, **kwargs) -> Tile:
 
 
 def reciprocal(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     return _E.elementwise("reciprocal", torch.reciprocal, [data], dtype=kwargs.get("dtype"), dst=dst,
                           mask=kwargs.get("mask"), engine=_eng(kwargs.get("engine")))
@@ -299,7 +303,7 @@ def reciprocal(*args, **kwargs) -> Tile:
 def tensor_tensor_scan(*args, **kwargs) -> Tile:
     """Per partition: res[:, i] = (data0[:, i] <op0> res[:, i-1]) <op1> data1[:, i]."""
     new = len(args) >= 4 and isinstance(args[0], Tile) and not callable(args[3])
-    dst, args = _take_dst(args, kwargs, new)
+    dst, args = _take_dst(args, kwargs, new, "data0")
     names = ("data0", "data1", "initial", "op0", "op1", "reverse0", "reverse1")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -336,9 +340,42 @@ def _linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor) -> torch.Te
 
 
 # ----------------------------------------------------------------------------- GpSimd engine
+def _pattern_values(shape: tuple, pattern: Any, offset: Any, channel_multiplier: Any) -> torch.Tensor:
+    """offset + partition * channel_multiplier + sum_k index_k * step_k over the free
+    elements of a [P, ...] tile, the free elements enumerated by `pattern` [[step, num], ...]
+    (outermost first): the affine value of NKI 0.4+ iota / affine_select."""
+    free = 1
+    for n in shape[1:]:
+        free *= n
+    nums = [int(n) for _, n in pattern]
+    total = 1
+    for n in nums:
+        total *= n
+    if total != free:
+        raise ShapeError(f"pattern {pattern} covers {total} elements a partition; the tile {tuple(shape)} "
+                         f"has {free}")
+    val = torch.zeros(nums, dtype=torch.float64)
+    for k, (step, n) in enumerate(pattern):
+        view = [1] * len(nums)
+        view[k] = int(n)
+        val = val + float(step) * torch.arange(int(n), dtype=torch.float64).view(view)
+    chan = torch.arange(shape[0], dtype=torch.float64).view(-1, 1) * float(channel_multiplier)
+    out = float(offset) + chan + val.reshape(1, -1)
+    return out.reshape(shape)
+
+
 def iota(*args, **kwargs) -> Tile:
-    """Materialise an affine expression of nl.arange indices as a tile (GpSimd engine)."""
+    """Materialise an affine expression of nl.arange indices as a tile (GpSimd engine); NKI
+    0.4+ form `iota(dst, pattern, offset, channel_multiplier=0)`."""
     dst, args = _take_dst(args, kwargs, bool(args) and isinstance(args[0], Tile))
+    if "pattern" in kwargs or (args and isinstance(args[0], (list, tuple))):
+        names = ("pattern", "offset", "channel_multiplier")
+        vals = dict(zip(names, args))
+        vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
+        shape = dst.shape
+        return _E.elementwise("iota", lambda: _pattern_values(shape, vals["pattern"], vals.get("offset", 0),
+                                                              vals.get("channel_multiplier", 0)),
+                              [], dst=dst, out_shape=shape)
     expr = args[0] if args else kwargs.pop("expr")
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype", np.int32)
     run = current()
@@ -357,6 +394,8 @@ def iota(*args, **kwargs) -> Tile:
 def affine_select(*args, **kwargs) -> Tile:
     """out = pred ? on_true_tile : on_false_value, pred an affine predicate (GpSimd)."""
     dst, args = _take_dst(args, kwargs, bool(args) and isinstance(args[0], Tile))
+    if "pattern" in kwargs or (args and isinstance(args[0], (list, tuple))):
+        return _affine_select_pattern(dst, args, kwargs)
     names = ("pred", "on_true_tile", "on_false_value")
     vals = dict(zip(names, args))
     vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
@@ -374,12 +413,34 @@ def affine_select(*args, **kwargs) -> Tile:
                           mask=kwargs.get("mask"), out_shape=shape)
 
 
+def _affine_select_pattern(dst: Tile, args: tuple, kwargs: dict) -> Tile:
+    """NKI 0.4+ form: dst = cmp_op(affine value, 0) ? on_true_tile : on_false_value."""
+    names = ("pattern", "offset", "channel_multiplier", "on_true_tile", "on_false_value", "cmp_op")
+    vals = dict(zip(names, args))
+    vals.update({k: kwargs.pop(k) for k in names if k in kwargs})
+    t = vals["on_true_tile"]
+    fv = float(vals["on_false_value"])
+    cmp = vals.get("cmp_op") or _equal
+    shape = t.shape
+    pattern, offset, mult = vals["pattern"], vals.get("offset", 0), vals.get("channel_multiplier", 0)
+
+    def compute(x):
+        value = _pattern_values(tuple(x.shape), pattern, offset, mult)
+        keep = _E.alu(cmp)(value, torch.zeros((), dtype=value.dtype)) != 0
+        return torch.where(keep, x, torch.tensor(fv, dtype=x.dtype))
+    return _E.elementwise("affine_select", compute, [t], dst=dst, out_shape=shape)
+
+
+def _equal(a, b):
+    return a == b
+
+
 def memset(*args, **kwargs) -> Tile:
     """Fill a tile with a constant (Vector engine). Legacy: memset(shape, value, dtype)."""
     if "dst" in kwargs or (args and isinstance(args[0], Tile)):
         dst, args = _take_dst(args, kwargs, True)
         value = args[0] if args else kwargs.pop("value")
-        return _E.memset(dst, value, kwargs.get("mask"))
+        return _E.memset(dst, value, kwargs.get("mask"), engine=_eng(kwargs.get("engine")))
     shape = args[0] if args else kwargs.pop("shape")
     value = args[1] if len(args) > 1 else kwargs.pop("value")
     dtype = args[2] if len(args) > 2 else kwargs.pop("dtype")
@@ -389,7 +450,7 @@ def memset(*args, **kwargs) -> Tile:
 
 
 def dropout(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     prob = args[1] if len(args) > 1 else kwargs.pop("prob")
     from . import language as nl
@@ -406,7 +467,7 @@ def _copy_into(dst: Tile, value: Tile) -> Tile:
 # ----------------------------------------------------------------------------- statistics
 def bn_stats(*args, **kwargs) -> Tile:
     """Per partition (count, mean, var*count) of even and odd elements: 6 values."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
     if data.per_partition() > 512:
         raise ShapeError(f"bn_stats: free size {data.per_partition()} exceeds bn_stats_fmax 512")
@@ -426,7 +487,7 @@ def bn_stats(*args, **kwargs) -> Tile:
 
 def bn_aggr(*args, **kwargs) -> Tile:
     """Combine bn_stats groups (count, mean, var*count) into (mean, variance) per partition."""
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "data")
     data = args[0] if args else kwargs.pop("data")
 
     def compute(x):
@@ -452,16 +513,31 @@ def dma_copy(*args, **kwargs) -> Tile:
     return _E.dma(dst, src, kwargs.get("mask"), "dma_copy")
 
 
+_DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
 def dma_transpose(*args, **kwargs) -> Tile:
-    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2)
+    """Transpose while copying (DMA engine): a 2-D source is permuted (1, 0), 3-D (2, 1, 0),
+    4-D (3, 1, 2, 0), or as `axes` says (one of those)."""
+    dst, args = _take_dst(args, kwargs, _tiles_leading(args) >= 2, "src")
     src = args[0] if args else kwargs.pop("src")
-    if len(src.shape) != 2:
-        raise ShapeError("dma_transpose: only 2-D sources are supported")
-    t = Tile(src.buf, (src.shape[1], src.shape[0]), src.base, (src.maps[1], src.maps[0]))
+    axes = kwargs.get("axes")
+    nd = len(src.shape)
+    if nd not in _DMA_TRANSPOSE_AXES:
+        raise ShapeError(f"dma_transpose: the source has {nd} dimensions; it takes 2, 3 or 4")
+    axes = tuple(axes) if axes is not None else _DMA_TRANSPOSE_AXES[nd]
+    if axes != _DMA_TRANSPOSE_AXES[nd]:
+        raise ShapeError(f"dma_transpose: axes {axes} are not supported for a {nd}-D source; "
+                         f"supported: {_DMA_TRANSPOSE_AXES[nd]}")
+    if src.buf.kind in ("sbuf", "psum"):
+        src.check_tile("dma_transpose source")
+    t = Tile(src.buf, tuple(src.shape[a] for a in axes), src.base, tuple(src.maps[a] for a in axes))
     if dst is None:
         run = current()
         dst = Tile.whole(run.allocate("sbuf", t.shape, src.buf.tdtype))
-    return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose")
+    # Assumption: the DMA engine's transpose reads the source's contiguous rows and permutes
+    # them on the way, so descriptors follow the source's own layout (no published penalty).
+    return _E.dma(dst, t, kwargs.get("mask"), "dma_transpose", src_checked=True, layout=src)
 
 
 def tensor_partition_reduce(*args, **kwargs) -> Tile:

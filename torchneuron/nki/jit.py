@@ -46,6 +46,7 @@ class KernelStats:
     trace: list = field(default_factory=list)
     flops: float = 0.0
     hbm_bytes: float = 0.0
+    psum_spill_bytes: int = 0  # bytes a partition of PSUM tiles the allocator moved to SBUF
 
     @property
     def latency_us(self) -> float:
@@ -113,6 +114,7 @@ class Kernel:
             if hasattr(g, "n") and not isinstance(g, int):
                 ncores = max(ncores, g.n)
         scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(ncores - 1)]
+        run.ncores = ncores
         set_current(run)
         result = None
         threads = torch.get_num_threads()
@@ -148,7 +150,8 @@ class Kernel:
                 counts[k] = counts.get(k, 0) + v
         stats = KernelStats(run.target.name, latency, run.instructions, busy, counts,
                             run.sbuf.peak, run.psum.peak,
-                            [r for s in scheds for r in s.trace], run.flops, run.hbm_bytes)
+                            [r for s in scheds for r in s.trace], run.flops, run.hbm_bytes,
+                            run.psum.spill_total)
         self.last_stats = stats
         parent = getattr(self, "_parent", None)
         if parent is not None:

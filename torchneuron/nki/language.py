@@ -17,7 +17,8 @@ import torch
 
 from . import dtypes as _dt
 from . import engines as _E
-from .dtypes import bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, tfloat32  # noqa: F401
+from .dtypes import (bfloat16, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4,  # noqa: F401
+                     float8_e5m2, float8_e5m2_x4, tfloat32)
 from .errors import NKIError, ShapeError
 from .simulator import current
 from . import tile as _tile
@@ -132,6 +133,64 @@ def sequential_range(*args: int, **kwargs):
         run.seq_depth -= 1
 
 
+def _loop_iterations(start: int, stop: int, step: int):
+    """Iterations of a loop the hardware runs (not unrolled): in order on every engine, each
+    paying a compare-and-branch (one instruction's issue cost)."""
+    run = current()
+    run.flush()
+    run.seq_depth += 1
+    try:
+        for i in range(start, stop, step):
+            run.new_iteration()
+            run.issue("sync", [], [], partitions=1, free_elems=1, dtype=torch.int32)
+            yield i
+    finally:
+        run.seq_depth -= 1
+
+
+def _bounds(start: Any, stop: Any, step: Any, what: str) -> tuple[int, int, int]:
+    from .registers import register_value
+    if stop is None:
+        start, stop = 0, start
+    step = int(step)
+    if step <= 0:
+        raise NKIError(f"{what}: step must be a positive compile-time int, got {step}", rule="loop")
+    return register_value(start, what), register_value(stop, what), step
+
+
+def dynamic_range(start: Any, stop: Any = None, step: int = 1):
+    """A loop the hardware runs with bounds known at run time (ints or registers)."""
+    lo, hi, st = _bounds(start, stop, step, "dynamic_range")
+    return _loop_iterations(lo, hi, st)
+
+
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """`for i in range(lower, upper, step): body_fun(i)` as a hardware loop; `i` is a register."""
+    from .registers import VirtualRegister
+    lo, hi, st = _bounds(lower, upper, step, "fori_loop")
+    for i in _loop_iterations(lo, hi, st):
+        body_fun(VirtualRegister(i))
+
+
+def while_loop(init: Any, body_fun: Any) -> None:
+    """`r = init; while r != 0: r = body_fun(r)` as a hardware loop (registers)."""
+    from .registers import VirtualRegister, register_value
+    r = init
+    run = current()
+    run.flush()
+    run.seq_depth += 1
+    try:
+        while register_value(r, "while_loop") != 0:
+            run.new_iteration()
+            run.issue("sync", [], [], partitions=1, free_elems=1, dtype=torch.int32)
+            r = body_fun(r if isinstance(r, VirtualRegister) else VirtualRegister(register_value(r, "while_loop")))
+    finally:
+        run.seq_depth -= 1
+
+
+range = builtins.range  # noqa: A001 - `nl.range`: a specialization-time (unrolled) loop
+
+
 class _LoopReduce:
     """Value of `nl.loop_reduce(x, op, loop_indices)`: assigning it reduces into the target
     across the loop's iterations (the first iteration assigns)."""
@@ -197,11 +256,13 @@ def _split_shape(shape: Any) -> tuple[tuple, int]:
 
 def ndarray(shape: Any, dtype: Any = np.float32, buffer: Any = sbuf, name: str = "",
             **kwargs) -> Tile:
-    """Allocate a tensor in `buffer` (`sbuf` default, `psum`, `hbm`, `shared_hbm`)."""
-    return _alloc(shape, dtype, buffer, None, name)
+    """Allocate a tensor in `buffer` (`sbuf` default, `psum`, `hbm`, `shared_hbm`).
+    `address=(start_partition, byte_offset)` places it (NKI 0.4+ direct allocation): the
+    kernel manages the memory, so capacity is checked by address range, not by liveness."""
+    return _alloc(shape, dtype, buffer, None, name, kwargs.get("address"))
 
 
-def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
+def _alloc(shape, dtype, buffer, fill, name="", address=None) -> Tile:
     run = current()
     dims, pdim = _split_shape(shape)
     kind = str(buffer or "sbuf")
@@ -213,9 +274,15 @@ def _alloc(shape, dtype, buffer, fill, name="") -> Tile:
         if buf is None or buf.shape != dims:
             buf = run.shared[key] = run.allocate(kind, dims, tdtype, pdim, fill, name)
         return Tile.whole(buf)
+    base = getattr(buffer, "base", None)
+    if address is not None and kind in ("sbuf", "psum"):
+        start, base = int(address[0]), int(address[1])
+        if start + (dims[pdim] if dims else 1) > run.target.partitions:
+            raise ShapeError(f"{kind} tensor of shape {dims} placed at partition {start} ends past "
+                             f"partition {run.target.partitions - 1}")
     t = Tile.whole(run.allocate(kind, dims, tdtype, pdim, 0 if (fill is not None and kind == "psum")
                                 else None if kind in ("sbuf",) else fill, name,
-                                blocks=getattr(buffer, "tiles", None), base=getattr(buffer, "base", None)))
+                                blocks=getattr(buffer, "tiles", None), base=base))
     if fill is not None and kind == "sbuf" or (kind == "psum" and fill):
         _E.memset(t, fill, fresh=True)
     # A zeroed PSUM tile costs nothing: the first matmul accumulating into it starts a new
@@ -457,6 +524,43 @@ def _silu_dx(x):
 gelu_dx = _make_unary("gelu_dx", _gelu_dx)
 silu_dx = _make_unary("silu_dx", _silu_dx)
 erf_dx = _make_unary("erf_dx", lambda x: 1.1283791670955126 * torch.exp(-x * x))
+
+
+def _gelu_sigmoid(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_sigmoid_dx(x):
+    s = torch.sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1 - s)
+
+
+# GELU's sigmoid approximation x*sigmoid(1.702x) (NKI's Swish activation) and its derivative
+gelu_apprx_sigmoid = _make_unary("gelu_apprx_sigmoid", _gelu_sigmoid)
+gelu_apprx_sigmoid_dx = _make_unary("gelu_apprx_sigmoid_dx", _gelu_sigmoid_dx)
+
+
+class NKIObject:
+    """Base class NKI kernels derive their configuration objects from (NKI 0.4+): on the
+    hardware compiler it marks a class whose instances the tracer may pass around; on the
+    software NeuronCore every Python object can be.
+
+    Like NKI's, a subclass's plain class attributes (`size = None`) become fields, so that
+    `@dataclass` over it takes them as keyword arguments."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        import dataclasses
+        own = cls.__dict__.get("__annotations__")
+        ann = dict(own) if own else {}
+        for name, value in list(cls.__dict__.items()):
+            if name.startswith("__") or name in ann or callable(value) or isinstance(
+                    value, (staticmethod, classmethod, property)):
+                continue
+            ann[name] = Any
+            if isinstance(value, (list, dict, set)):
+                setattr(cls, name, dataclasses.field(default_factory=lambda v=value: type(v)(v)))
+        cls.__annotations__ = ann
 
 
 def copy(x: Tile, *, dtype: Any = None, mask: Any = None, **kwargs) -> Tile:

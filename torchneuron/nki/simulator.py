@@ -44,12 +44,19 @@ def active() -> "Run | None":
 class Pool:
     """Bytes per partition in use in one on-chip memory, with its capacity rule."""
 
-    __slots__ = ("name", "capacity", "used", "peak", "rule", "hint")
+    __slots__ = ("name", "capacity", "used", "peak", "rule", "hint", "spill_to", "spilled",
+                 "spill_total", "on_spill")
 
-    def __init__(self, name: str, capacity: int, rule: str, hint: str):
+    def __init__(self, name: str, capacity: int, rule: str, hint: str, spill_to: "Pool | None" = None,
+                 on_spill: Any = None):
         self.name, self.capacity, self.rule, self.hint = name, capacity, rule, hint
         self.used = 0
         self.peak = 0
+        # PSUM: live tiles past its banks are spilled to SBUF (as the compiler's allocator
+        # does), each spilled byte charged to `spill_to` and a copy out and back to the kernel.
+        self.spill_to, self.on_spill = spill_to, on_spill
+        self.spilled = 0
+        self.spill_total = 0
 
     def charge(self, nbytes: int, what: str) -> None:
         """Reserve; a single tile larger than the memory fails here, an over-full memory when
@@ -62,7 +69,15 @@ class Pool:
             self.peak = self.used
 
     def check(self) -> None:
-        if self.used > self.capacity:
+        if self.spill_to is not None and self.used - self.spilled > self.capacity:
+            grow = self.used - self.spilled - self.capacity
+            self.spilled += grow
+            self.spill_total += grow
+            self.spill_to.used += grow
+            self.on_spill(grow)
+            self.spill_to.check()
+            return
+        if self.used - self.spilled > self.capacity:
             raise CapacityError(
                 f"live {self.name} tiles need {self.used} B per partition, more than the "
                 f"{self.capacity} B available; {self.hint}", rule=self.rule)
@@ -71,6 +86,11 @@ class Pool:
 
     def release(self, nbytes: int) -> None:
         self.used -= nbytes
+        if self.spilled:
+            back = self.spilled - max(0, self.used - self.capacity)
+            if back > 0:
+                self.spilled -= back
+                self.spill_to.used -= back
 
 
 class Run:
@@ -86,7 +106,9 @@ class Run:
                          "free tiles (let them go out of scope) or use smaller tiles")
         self.psum = Pool("PSUM", t.psum_banks * t.psum_bank_bytes, "psum-capacity",
                          f"PSUM has {t.psum_banks} banks of {t.psum_bank_bytes} B a partition; "
-                         "copy results to SBUF and reuse PSUM tiles")
+                         "copy results to SBUF and reuse PSUM tiles", spill_to=self.sbuf,
+                         on_spill=self._charge_spill)
+        self.ncores = 1             # NeuronCores of the launch grid (nl.nc(n))
         self.program_id: tuple = ()
         self.grid: tuple = ()
         self.shared: dict = {}      # n-th shared_hbm allocation -> Buffer (shared by SPMD instances)
@@ -101,6 +123,15 @@ class Run:
         self.threads = _matmul_threads()
         self.flops = 0.0       # Tensor-engine work (2*K*M*N per matmul)
         self.hbm_bytes = 0.0   # bytes DMA moved to or from HBM
+
+    def _charge_spill(self, nbytes: int) -> None:
+        """PSUM tiles of `nbytes` a partition moved to SBUF and back: two Vector-engine copies
+        of that many fp32 elements a partition, in program order with everything else."""
+        eng, busy, lat = self.timing("tensor_copy", "", partitions=self.target.partitions,
+                                     free_elems=max(1, nbytes // 4), dtype=torch.float32)
+        self.instructions += 2
+        for _ in range(2):
+            self.sched.issue("psum_spill", eng, busy, lat, [], [], "")
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self, kind: str, shape: tuple, tdtype: torch.dtype, pdim: int = 0,
@@ -190,7 +221,7 @@ class Run:
         """Charge one instruction to its engine and schedule it after its dependencies."""
         if self.pending is not None:
             self.flush()
-        if self.sbuf.used > self.sbuf.capacity or self.psum.used > self.psum.capacity:
+        if self.sbuf.used > self.sbuf.capacity or self.psum.used - self.psum.spilled > self.psum.capacity:
             self.sbuf.check()
             self.psum.check()
         eng, busy, lat = self.timing(kind, engine, **cost)

@@ -102,6 +102,38 @@ class AliasBuffer(Buffer):
         self.parent.prepare_write()
 
 
+class FlatBuffer(AliasBuffer):
+    """Another buffer's memory seen as flat rows (HBM: one row; SBUF/PSUM: one row a
+    partition), possibly reinterpreted as another dtype: what access patterns address."""
+
+    __slots__ = ()
+
+    def __init__(self, parent: Buffer, tdtype: torch.dtype):
+        on_chip = parent.kind in ("sbuf", "psum")
+        nbytes = parent.tdtype.itemsize
+        for n in parent.shape:
+            nbytes *= n
+        p = parent.shape[parent.pdim] if on_chip and parent.shape else 1
+        row = nbytes // p
+        if row % tdtype.itemsize:
+            raise NKIError(f"cannot view {row} B rows of a {parent.kind} tensor as {tdtype}: "
+                           f"the row size is not a multiple of {tdtype.itemsize} B", rule="tile-shape")
+        shape = (p, row // tdtype.itemsize) if on_chip else (row // tdtype.itemsize,)
+        if on_chip and parent.pdim:
+            raise NKIError(f"access patterns on a {parent.kind} tensor whose partition dimension is not "
+                           "its first are not supported; allocate it partition-first", rule="partition-dim")
+        AliasBuffer.__init__(self, parent, shape)
+        self.tdtype = tdtype
+
+    def storage(self) -> torch.Tensor:
+        d = self.parent.storage()
+        return None if d is None else d.reshape(-1).view(self.tdtype).view(self.shape)
+
+    def float32(self) -> torch.Tensor:
+        d = self.storage()
+        return d if d.dtype == torch.float32 else d.float()
+
+
 # --------------------------------------------------------------------------- tiles (views)
 class Tile:
     """An affine view of a buffer; what NKI kernels call tensors and tiles."""
@@ -271,6 +303,47 @@ class Tile:
         var = IndexVar(index.shape[0], 0, ndim)
         view = self._index(key[:j] + (var,) + key[j + 1:])
         return GatherTile(view, index)
+
+    # -- access patterns (NKI 0.4+ `tensor.ap`) ---------------------------------------------
+    def ap(self, pattern: Sequence, offset: int = 0, dtype: Any = None, scalar_offset: Any = None,
+           vector_offset: "Tile | None" = None, indirect_dim: int | None = None) -> "Tile":
+        """A view through an access pattern: `pattern` is [[stride, count], ...], outermost
+        first, in elements of `dtype` (default the tensor's) over the tensor's row-major
+        memory; on-chip, the first pair steps over partitions (its stride a multiple of the
+        partition row). `scalar_offset` (a [1, 1] tile or register) moves the view by that
+        many steps of base dimension `indirect_dim`; `vector_offset` (an [n, 1] tile of
+        indices) gives each of the first pair's n rows its own index (indirect DMA)."""
+        from .dtypes import to_torch
+        buf = self.buf
+        tdtype = to_torch(dtype) if dtype is not None else buf.tdtype
+        # element offset of this view (and of indirect_dim's stride) in the buffer's memory
+        base_el = sum(b * st for b, st in zip(self.base, buf.strides))
+        scale = buf.tdtype.itemsize / tdtype.itemsize
+        if base_el * scale != int(base_el * scale):
+            raise NKIError("access pattern: the view's start is not aligned to the new dtype", rule="tile-shape")
+        off = int(base_el * scale) + int(offset)
+        if scalar_offset is not None:
+            if indirect_dim is None:
+                raise NKIError("ap(scalar_offset=...) needs indirect_dim (the dimension it indexes)", rule="index")
+            off += _scalar_value(scalar_offset) * int(buf.strides[indirect_dim] * scale)
+        flat = FlatBuffer(buf, tdtype)
+        pattern = [(int(st), int(n)) for st, n in pattern]
+        shape = tuple(n for _, n in pattern)
+        if flat.kind in ("sbuf", "psum"):
+            row = flat.shape[1]
+            s0 = pattern[0][0]
+            if s0 % row and pattern[0][1] > 1:
+                raise NKIError(f"access pattern on {flat.kind}: the first (partition) stride {s0} is not "
+                               f"a multiple of the partition row ({row} elements)", rule="partition-dim")
+            maps = [((0, s0 // row),)] + [((1, st),) for st, _ in pattern[1:]]
+            base = (off // row, off % row)
+        else:
+            maps = [((0, st),) for st, _ in pattern]
+            base = (off,)
+        view = Tile(flat, shape, base, tuple(maps))
+        if vector_offset is not None:
+            return GatherTile(view, vector_offset)
+        return view
 
     # -- view transforms --------------------------------------------------------------------
     def narrow(self, dim: int, start: int, length: int) -> "Tile":
@@ -445,7 +518,18 @@ class GatherTile(Tile):
         return None
 
     def torch(self) -> torch.Tensor:
+        return self.buf.storage().reshape(-1)[self.flat_index()]
+
+    def scatter(self, values: torch.Tensor) -> None:
+        """Indirect store: row p of `values` goes to the buffer at index[p]."""
         data = self.buf.storage()
+        flat = data.reshape(-1)
+        if flat.data_ptr() != data.data_ptr() or not data.is_contiguous():
+            raise NKIError("indirect store into a non-contiguous tensor", rule="index")
+        flat[self.flat_index()] = values.to(flat.dtype).reshape(self.shape)
+
+    def flat_index(self) -> torch.Tensor:
+        """Element offsets in the buffer's row-major storage of every element of the view."""
         st = self.buf.strides
         flat = torch.zeros(self.shape, dtype=torch.int64)
         nd = len(self.shape)
@@ -456,17 +540,27 @@ class GatherTile(Tile):
             flat = flat + step * torch.arange(n).view(view)
         (d0, m0), = self.maps[0]
         idx = self.index.torch().reshape(-1).to(torch.int64)
-        lo = int(idx.min()) + self.base[d0] if idx.numel() else 0
-        hi = int(idx.max()) + self.base[d0] if idx.numel() else 0
+        lo = int(idx.min()) * m0 + self.base[d0] if idx.numel() else 0
+        hi = int(idx.max()) * m0 + self.base[d0] if idx.numel() else 0
         if idx.numel() and (lo < 0 or hi >= self.buf.shape[d0]):
             raise OutOfBoundsError(f"dynamic index values [{lo}, {hi}] are out of bounds for dimension "
                                    f"{d0} of {self.buf.kind} tensor of shape {tuple(self.buf.shape)}")
         off = sum(b * st[d] for d, b in enumerate(self.base))
-        flat = flat + off + (idx * m0 * st[d0]).view([-1] + [1] * (nd - 1))
-        return data.reshape(-1)[flat]
+        return flat + off + (idx * m0 * st[d0]).view([-1] + [1] * (nd - 1))
 
     def float32(self) -> torch.Tensor:
         return self.torch().float()
+
+
+def _scalar_value(x: Any) -> int:
+    """The integer a dynamic offset holds: a register, a [1, 1] tile, or an int. In a
+    timing-only run values are unknown and the offset counts as 0 (it moves no cost)."""
+    if isinstance(x, Tile):
+        if x.buf.storage() is None:
+            return 0
+        return int(x.torch().reshape(-1)[0].item())
+    value = getattr(x, "value", x)
+    return 0 if value is None else int(value)
 
 
 def _unit_index(k) -> bool:

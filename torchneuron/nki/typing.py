@@ -42,3 +42,6 @@ class _TensorFactory:
 
 tensor = _TensorFactory()
 scalar = float
+# `nt.mutable_tensor`: an HBM argument the kernel writes in place (annotation; the simulator
+# stages writes to any argument and commits them when the kernel succeeds)
+mutable_tensor = tensor

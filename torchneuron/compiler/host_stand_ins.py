@@ -1,7 +1,7 @@
-"""Ops that stand for NKI kernels inside compiled graphs.
+"""Host stand-ins for NKI kernels in compiled graphs: one op per kernel, run by host ATen.
 
 A pattern the compiler recognises (patterns.py) is replaced by one of these ops, which the
-kernel plan treats as a single NKI kernel (fusion.NKI_KERNELS) priced by the performance
+kernel plan treats as a single NKI kernel (graph_fusion.NKI_KERNELS) priced by the performance
 model's fused-attention formula. On this software NeuronCore each op runs PyTorch's host
 flash-attention kernel over the device buffers (through the runtime's CPU fallback), which
 computes the same function as an NKI flash-attention kernel; `torchneuron.kernels` can

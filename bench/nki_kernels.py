@@ -1,0 +1,94 @@
+"""NKI-lib kernels on the modeled NeuronCore: % of the target's roofline and the ratio to the
+performance model's formula for the same work (the price eager ops had before the kernels
+priced them), both measured in this run.
+
+Timing-only simulations (typed placeholders): attention forward and backward at 8K x 128
+bf16 (one head), decode attention at batch 32 x context 4K (Llama-8B-like heads: 32 query,
+8 key/value, d 128, 128-key blocks), the MoE blockwise grouped matmul (8 blocks of 512
+tokens, 4096 x 2048 expert weights).
+
+Columns: modeled latency; Tensor-engine busy % (its instructions' time over the latency,
+PE transposes included); useful % (the op's matmul FLOPs at the bf16 peak over the latency);
+HBM % (the bytes the op must move at the core's HBM bandwidth over the latency); formula /
+kernel (the formula's time over the kernel's).
+
+    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import torchneuron.nki.typing as nt
+from torchneuron.hardware import model
+from torchneuron.hardware.targets import TARGETS
+from torchneuron.kernels import decode_attention as da
+from torchneuron.kernels import flash_attention as fa
+from torchneuron.kernels import moe
+
+from machine import describe
+
+BF16 = torch.bfloat16
+
+
+def _row(name: str, stats, useful_flops: float, hbm_bytes: float, formula_s: float, target) -> None:
+    lat = stats.latency_s
+    te = stats.engine_busy_s.get("tensor", 0.0) / lat
+    useful = useful_flops / (target.peak_flops(BF16) * lat)
+    hbm = hbm_bytes / (target.hbm_bytes_per_s * lat)
+    print(f"{name:34s} {lat * 1e6:10.1f} us  TE busy {te:6.1%}  useful {useful:6.1%}  HBM {hbm:6.1%}  "
+          f"formula/kernel {formula_s / lat:5.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="trn2", choices=sorted(TARGETS))
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=4096)
+    a = ap.parse_args()
+    target = TARGETS[a.target]
+    print(describe())
+    print(f"target {target.name}; timing-only simulations")
+    t0 = time.perf_counter()
+    s, d = a.seq, 128
+    q = nt.tensor[(1, s, d), BF16]
+    sig = (BF16, (1, 1, s, d))
+    model.register_kernel_pricer("attention", None)  # the formula, for the ratio
+    f_fwd = model.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu", [sig] * 3, [sig], target)
+    f_bwd = model.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [sig] * 5, [sig] * 3, target)
+    from torchneuron.kernels import pricing
+    pricing.install()
+    _, st = fa.attention_fwd[1].run((q, q, q), {"scale": d ** -0.5}, target=target)
+    _row(f"attention fwd {s}x{d} bf16", st, fa.flops(1, s, s, d, False), 4 * s * d * 2, f_fwd.duration_s, target)
+    lse = nt.tensor[(1, s, 1), torch.float32]
+    _, st = fa.attention_bwd[1].run((q, q, q, q, q, lse), {"scale": d ** -0.5}, target=target)
+    _row(f"attention bwd {s}x{d} bf16", st, fa.flops(1, s, s, d, False, backward=True), 8 * s * d * 2,
+         f_bwd.duration_s, target)
+    _, st = fa.attention_fwd[1].run((q, q, q), {"scale": d ** -0.5, "causal": True}, target=target)
+    _row(f"attention fwd {s}x{d} causal", st, fa.flops(1, s, s, d, True), 4 * s * d * 2, f_fwd.duration_s, target)
+
+    b, ctx, hq, hk, bs = a.batch, a.ctx, 32, 8, 128
+    maxb = ctx // bs
+    args = (nt.tensor[(b, 1, hq, d), BF16], nt.tensor[(b * maxb, d, hk, bs), BF16],
+            nt.tensor[(b * maxb, bs, hk, d), BF16], nt.tensor[(b, maxb), torch.int32], nt.tensor[(b, 1), torch.int32])
+    _, st = da.decode_attention[b].run(args, {"scale": d ** -0.5}, target=target)
+    formula = model.paged_attention_cost([1] * b, [ctx] * b, heads=hq, kv_heads=hk, head_size=d, dtype=BF16,
+                                         block_size=bs, target=target)
+    _row(f"decode attention {b}x{ctx}", st, 4.0 * b * hq * ctx * d, da.cache_bytes(b, ctx, hk, d),
+         formula.duration_s, target)
+
+    nb, kdim, n, e = 8, 4096, 2048, 8
+    args = (nt.tensor[(nb * moe.BT, kdim), BF16], nt.tensor[(e, kdim, n), BF16], nt.tensor[(nb, 1), torch.int32])
+    _, st = moe.grouped_matmul.run(args, {}, target=target)
+    mm = model.op_cost("aten::bmm", [(BF16, (nb, moe.BT, kdim)), (BF16, (nb, kdim, n))], [(BF16, (nb, moe.BT, n))],
+                       target)
+    _row(f"MoE grouped matmul {nb}x{moe.BT}x{kdim}x{n}", st, moe.grouped_flops(nb, kdim, n),
+         (nb * moe.BT * (kdim + n) + nb * kdim * n) * 2, mm.duration_s, target)
+    print(f"(simulated in {time.perf_counter() - t0:.1f} s of host time)")
+
+
+if __name__ == "__main__":
+    main()

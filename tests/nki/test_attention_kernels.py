@@ -1,0 +1,104 @@
+"""NKI attention kernels (torchneuron.kernels.flash_attention / decode_attention) against torch:
+forward and backward, causal or not, GQA / MQA, head dims 64 and 128, sliding window,
+bf16 / fp16; paged decode attention through a block table; the registered torch ops (fake
+implementation under torch.compile, autograd) and their errors on unsupported input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchneuron.kernels import decode_attention as da
+from torchneuron.kernels import flash_attention as fa
+from torchneuron.kernels import torch_ops as ops
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _qkv(b, hq, hk, s, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, s, d, generator=g).to(dtype) for n in (b * hq, b * hk, b * hk)]
+
+
+@pytest.mark.parametrize("hq,hk,s,d,causal,window,dtype", [
+    (2, 2, 256, 64, False, 0, torch.float32),
+    (4, 1, 256, 128, True, 0, torch.bfloat16),     # MQA
+    (4, 2, 384, 64, True, 130, torch.float16),     # GQA, sliding window
+])
+def test_attention_forward_matches_torch(hq, hk, s, d, causal, window, dtype):
+    q, k, v = _qkv(1, hq, hk, s, d, dtype)
+    out, lse = fa.attention_fwd[hq](q, k, v, d ** -0.5, causal, window)
+    ref, ref_lse = fa.reference(q, k, v, d ** -0.5, causal, window)
+    assert out.dtype == dtype and lse.shape == (hq, s, 1)
+    scale = ref.abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype] * max(1.0, scale)
+    assert (lse - ref_lse).abs().max().item() <= TOL[dtype] * 10
+
+
+@pytest.mark.parametrize("hq,hk,d,causal,window,dtype", [
+    (2, 1, 64, True, 0, torch.bfloat16),
+    (2, 2, 128, False, 0, torch.float32),
+    (1, 1, 64, True, 100, torch.float16),
+])
+def test_attention_op_backward_matches_torch_sdpa(hq, hk, d, causal, window, dtype):
+    s = 256
+    q, k, v = [t.reshape(1, -1, s, d).requires_grad_() for t in _qkv(1, hq, hk, s, d, dtype, seed=1)]
+    out = ops.attention(q, k, v, causal=causal, window=window)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out.backward(grad)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    mask = None
+    if window:
+        i, j = torch.arange(s).view(-1, 1), torch.arange(s).view(1, -1)
+        mask = (j <= i) & (j > i - window)
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask, is_causal=causal and mask is None,
+                                         enable_gqa=True)
+    ref.backward(grad.float())
+    for got, want in [(out, ref)] + [(a.grad, b.grad) for a, b in zip((q, k, v), ref_in)]:
+        err = (got.float() - want).abs().max().item() / max(1.0, want.abs().max().item())
+        assert err <= TOL[dtype] * 2, err
+
+
+def test_attention_op_traces_under_compile_with_its_fake_implementation():
+    q = torch.randn(1, 2, 128, 64)
+    f = torch.compile(lambda a: ops.attention(a, a, a, causal=True), backend="eager", fullgraph=True)
+    torch.testing.assert_close(f(q), F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_attention_kernel_names_unsupported_input():
+    q = torch.randn(1, 100, 64)
+    with pytest.raises(Exception, match="multiples of 128"):
+        fa.attention_fwd[1](q, q, q, 0.125, False, 0)
+    q = torch.randn(3, 128, 64)
+    with pytest.raises(Exception, match="not a multiple of 2 key/value heads"):
+        fa.attention_fwd[3](q, torch.randn(2, 128, 64), torch.randn(2, 128, 64), 0.125, False, 0)
+
+
+def _paged(b, t, hq, hk, d, bs, lens, dtype, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    maxb = max(math.ceil(n / bs) for n in lens)
+    nblk = b * maxb + 2
+    kc = torch.randn(nblk, d, hk, bs, generator=g).to(dtype)
+    vc = torch.randn(nblk, bs, hk, d, generator=g).to(dtype)
+    table = torch.randperm(nblk, generator=g)[:b * maxb].reshape(b, maxb).int()
+    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
+    return q, kc, vc, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("b,t,hq,hk,d,bs,lens,dtype", [
+    (2, 1, 4, 2, 64, 16, [37, 100], torch.float32),
+    (2, 2, 8, 2, 128, 128, [300, 129], torch.bfloat16),   # two new tokens each
+])
+def test_paged_decode_attention_matches_gathered_reference(b, t, hq, hk, d, bs, lens, dtype):
+    q, kc, vc, table, ctx = _paged(b, t, hq, hk, d, bs, lens, dtype)
+    out = ops.paged_decode_attention(q, kc, vc, table, ctx)
+    ref = da.reference(q, kc, vc, table, ctx.view(-1, 1), d ** -0.5)
+    assert out.shape == (b, t, hq, d) and out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+def test_paged_decode_attention_rejects_a_layout_it_does_not_read():
+    q, kc, vc, table, ctx = _paged(1, 1, 2, 2, 64, 16, [20], torch.float32)
+    with pytest.raises(Exception, match=r"k_cache must be \[blocks, d, Hkv, bs\]"):
+        ops.paged_decode_attention(q, kc.transpose(1, 3).contiguous(), vc, table, ctx)
