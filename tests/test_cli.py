@@ -80,3 +80,12 @@ def test_a_server_command_without_its_extra_names_the_install(command, extra, mi
     with pytest.raises(SystemExit) as stopped:
         cli.main([command, str(tmp_path)])
     assert missing in str(stopped.value) and f"torchneuron[{extra}]" in str(stopped.value)
+
+
+@pytest.mark.parametrize("model", ["llama", "mamba2"])
+def test_demo_runs_a_model_of_the_zoo(model, capsys):
+    """`torchneuron demo --model NAME`: training steps, then inference, with modeled times per target."""
+    assert main(["demo", "--model", model, "--zoo-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "loss: first" in out and "tokens/s" in out and all(t in out for t in ("trn1", "trn2", "trn3"))
+    assert "inference (generated tokens)" in out

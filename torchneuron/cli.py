@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from torchneuron import settings
+from torchneuron.examples.zoo import MODELS as ZOO_MODELS
 
 def _info(args: argparse.Namespace) -> int:
     import torch
@@ -37,6 +38,10 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.model is not None:  # a model of the zoo: a few training steps, then its inference call
+        from torchneuron.examples.zoo_run import demo as zoo_demo
+
+        return zoo_demo(args.model, steps=args.zoo_steps)
     from torchneuron.examples.train_llama import main as train
 
     return train(steps=args.steps, batch=args.batch, seq=args.seq)
@@ -49,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--batch", type=int, default=8)
     demo.add_argument("--seq", type=int, default=64)
+    demo.add_argument("--model", default=None, choices=sorted(ZOO_MODELS),
+                      help="run a model of the zoo instead (tiny config of a family: text, vision-language, "
+                           "state-space, audio): training steps, then generate or inference")
+    demo.add_argument("--zoo-steps", type=int, default=5, help="training steps of --model")
     demo.set_defaults(func=_demo)
     info = sub.add_parser("info", help="print the target, devices, capacities and environment")
     info.set_defaults(func=_info)

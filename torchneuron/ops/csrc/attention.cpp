@@ -59,11 +59,12 @@ bool fused_accepts(const Tensor& q, const Tensor& k, const Tensor& v, const std:
   if (!is_attention_dtype(q.scalar_type()) || k.scalar_type() != q.scalar_type() ||
       v.scalar_type() != q.scalar_type())
     return false;
-  if (dim == 4 && (k.size(0) != q.size(0) || v.size(0) != q.size(0))) return false;
-  const int64_t hq = q.size(-3), hk = k.size(-3);
-  if (v.size(-3) != hk || k.size(-2) != v.size(-2) || k.size(-1) != q.size(-1)) return false;
+  // Sizes as SymInts: torch.compile traces this choice with symbolic shapes (comparisons guard).
+  if (dim == 4 && (k.sym_size(0) != q.sym_size(0) || v.sym_size(0) != q.sym_size(0))) return false;
+  const c10::SymInt hq = q.sym_size(-3), hk = k.sym_size(-3);
+  if (v.sym_size(-3) != hk || k.sym_size(-2) != v.sym_size(-2) || k.sym_size(-1) != q.sym_size(-1)) return false;
   if (hq != hk && !(enable_gqa && hk > 0 && hq % hk == 0)) return false;
-  if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return false;
+  if (q.sym_numel() == 0 || k.sym_numel() == 0 || v.sym_numel() == 0) return false;
   if (mask && mask->defined()) {
     if (mask->dim() > 4 || (mask->scalar_type() != c10::kBool && mask->scalar_type() != q.scalar_type()))
       return false;
