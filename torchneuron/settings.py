@@ -119,6 +119,11 @@ class Settings:
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")
+    nki_simulator: bool = variable(
+        "NKI_SIMULATOR", False,
+        "`1`: NKI-lib's torch ops compute with their NKI kernel simulated on the data (AWS's CPU-simulator "
+        "switch); by default they compute with a host path of matching numerics and charge the kernel's "
+        "simulated latency")
     dist_checks: bool = variable(
         "TORCHNEURON_DIST_CHECKS", True,
         "`0`: skip the per-collective cross-rank shape check (one small all-gather each)")

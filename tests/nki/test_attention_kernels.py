@@ -15,6 +15,13 @@ from torchneuron.kernels import torch_ops as ops
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
+@pytest.fixture(params=["kernel", "host"])
+def path(request, monkeypatch):
+    """The ops compute with the NKI kernel (NKI_SIMULATOR=1) or with their host path."""
+    monkeypatch.setenv("NKI_SIMULATOR", "1" if request.param == "kernel" else "0")
+    return request.param
+
+
 def _qkv(b, hq, hk, s, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(n, s, d, generator=g).to(dtype) for n in (b * hq, b * hk, b * hk)]
@@ -40,7 +47,7 @@ def test_attention_forward_matches_torch(hq, hk, s, d, causal, window, dtype):
     (2, 2, 128, False, 0, torch.float32),
     (1, 1, 64, True, 100, torch.float16),
 ])
-def test_attention_op_backward_matches_torch_sdpa(hq, hk, d, causal, window, dtype):
+def test_attention_op_backward_matches_torch_sdpa(hq, hk, d, causal, window, dtype, path):
     s = 256
     q, k, v = [t.reshape(1, -1, s, d).requires_grad_() for t in _qkv(1, hq, hk, s, d, dtype, seed=1)]
     out = ops.attention(q, k, v, causal=causal, window=window)
@@ -64,6 +71,34 @@ def test_attention_op_traces_under_compile_with_its_fake_implementation():
     f = torch.compile(lambda a: ops.attention(a, a, a, causal=True), backend="eager", fullgraph=True)
     torch.testing.assert_close(f(q), F.scaled_dot_product_attention(q, q, q, is_causal=True),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_attention_op_on_neuron_computes_on_the_host_path_and_charges_the_kernel(monkeypatch):
+    """Without NKI_SIMULATOR the op computes with its host path and the device is charged the
+    kernel's timing-only latency; with it, the kernel runs on the data: same results."""
+    from torchneuron.hardware import timeline as device_timeline
+    from torchneuron.hardware.model import launch_cost
+    import torchneuron.nki.typing as nt
+    q = torch.randn(1, 2, 256, 64)
+    outs, entries = {}, []
+    device_timeline.add_listener(entries.append)
+    try:
+        for mode in ("0", "1"):
+            monkeypatch.setenv("NKI_SIMULATOR", mode)
+            qn = q.to("neuron")
+            outs[mode] = ops.attention(qn, qn, qn, causal=True).cpu()
+            torch.neuron.synchronize()
+            device_timeline.flush_pending()
+    finally:
+        device_timeline.remove_listener(entries.append)
+    torch.testing.assert_close(outs["0"], outs["1"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["0"], F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                               atol=1e-5, rtol=1e-5)
+    holder = nt.tensor[(2, 256, 64), torch.float32]
+    _, stats = fa.attention_fwd[2].run((holder,) * 3, {"scale": 0.125, "causal": True})
+    charged = [e.cost.duration_s for e in entries if e.name == "nki::attention_fwd"]
+    assert len(charged) == 2 and charged[0] == pytest.approx(stats.latency_s + launch_cost())
+    assert charged[1] == pytest.approx(charged[0])
 
 
 def test_attention_kernel_names_unsupported_input():
@@ -90,7 +125,7 @@ def _paged(b, t, hq, hk, d, bs, lens, dtype, seed=3):
     (2, 1, 4, 2, 64, 16, [37, 100], torch.float32),
     (2, 2, 8, 2, 128, 128, [300, 129], torch.bfloat16),   # two new tokens each
 ])
-def test_paged_decode_attention_matches_gathered_reference(b, t, hq, hk, d, bs, lens, dtype):
+def test_paged_decode_attention_matches_gathered_reference(b, t, hq, hk, d, bs, lens, dtype, path):
     q, kc, vc, table, ctx = _paged(b, t, hq, hk, d, bs, lens, dtype)
     out = ops.paged_decode_attention(q, kc, vc, table, ctx)
     ref = da.reference(q, kc, vc, table, ctx.view(-1, 1), d ** -0.5)
@@ -98,7 +133,7 @@ def test_paged_decode_attention_matches_gathered_reference(b, t, hq, hk, d, bs, 
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
 
 
-def test_paged_decode_attention_rejects_a_layout_it_does_not_read():
+def test_paged_decode_attention_rejects_a_layout_it_does_not_read(path):
     q, kc, vc, table, ctx = _paged(1, 1, 2, 2, 64, 16, [20], torch.float32)
     with pytest.raises(Exception, match=r"k_cache must be \[blocks, d, Hkv, bs\]"):
         ops.paged_decode_attention(q, kc.transpose(1, 3).contiguous(), vc, table, ctx)

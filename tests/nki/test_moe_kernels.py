@@ -6,6 +6,13 @@ import torch
 from torchneuron.kernels import torch_ops as ops
 
 
+@pytest.fixture(params=["kernel", "host"], autouse=True)
+def path(request, monkeypatch):
+    """The ops compute with the NKI kernel (NKI_SIMULATOR=1) or with their host path."""
+    monkeypatch.setenv("NKI_SIMULATOR", "1" if request.param == "kernel" else "0")
+    return request.param
+
+
 def test_router_topk_matches_torch_softmax_topk():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 256, generator=g).bfloat16()

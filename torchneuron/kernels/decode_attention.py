@@ -140,6 +140,12 @@ def cache_bytes(b: int, ctx: int, hk: int, d: int, itemsize: int = 2) -> float:
     return 2.0 * b * ctx * hk * d * itemsize
 
 
+def host(q, k_cache, v_cache, block_table, context_lens, scale: float = 1.0):
+    """decode_attention's result computed with torch on the host (fp32, cast back)."""
+    check_shapes(q, k_cache, v_cache, block_table)
+    return reference(q, k_cache, v_cache, block_table, context_lens, scale).to(q.dtype)
+
+
 def reference(q, k_cache, v_cache, block_table, context_lens, scale: float):
     """Gather each sequence's keys through its block table and attend in fp32 (test oracle)."""
     import torch

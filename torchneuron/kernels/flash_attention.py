@@ -354,6 +354,50 @@ def flops(bhq: int, sq: int, sk: int, d: int, causal: bool, window: int = 0, bac
     return per * (2.5 if backward else 1.0)
 
 
+def _mask(sq: int, sk: int, causal: bool, window: int):
+    import torch
+    i, j = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window > 0:
+        keep &= j > i - window
+    return keep
+
+
+def host_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int = 0):
+    """attention_fwd's result computed with torch on the host, the kernel's numerics: fp32
+    scores and sums, P rounded to the input dtype before P V, the output cast back."""
+    import torch
+    check_shapes(q, k, v, "attention_fwd")
+    g = q.shape[0] // k.shape[0]
+    kf, vf = k.float().repeat_interleave(g, 0), v.float().repeat_interleave(g, 0)
+    s = (q.float() @ kf.transpose(1, 2)).masked_fill(~_mask(q.shape[1], k.shape[1], causal, window), -math.inf)
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(scale * (s - m))
+    l_sum = p.sum(-1, keepdim=True)
+    out = (p.to(q.dtype).float() @ vf) / l_sum
+    return out.to(q.dtype), scale * m + torch.log(l_sum)
+
+
+def host_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False, window: int = 0):
+    """attention_bwd's results computed with torch on the host (fp32, P and dS rounded to the
+    input dtype before their matmuls, as in the kernel); dK, dV per query head."""
+    import torch
+    check_shapes(q, k, v, "attention_bwd")
+    g = q.shape[0] // k.shape[0]
+    kf, vf = k.float().repeat_interleave(g, 0), v.float().repeat_interleave(g, 0)
+    s = (q.float() @ kf.transpose(1, 2)).masked_fill(~_mask(q.shape[1], k.shape[1], causal, window), -math.inf)
+    p = torch.exp(scale * s - lse).to(q.dtype).float()
+    dof = do.float()
+    dv = p.transpose(1, 2) @ dof
+    dp = dof @ vf.transpose(1, 2)
+    ds = (p * (dp - (dof * o.float()).sum(-1, keepdim=True))).to(q.dtype).float()
+    dq = scale * ds @ kf
+    dk = scale * ds.transpose(1, 2) @ q.float()
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
 def reference(q, k, v, scale: float, causal: bool, window: int = 0):
     """softmax(scale q k^T + mask) v in fp32 with torch (test oracle), GQA by repetition."""
     import torch

@@ -98,3 +98,29 @@ def grouped_matmul(x, w, block_expert):
 
 def grouped_flops(nb: int, kdim: int, n: int) -> float:
     return 2.0 * nb * BT * kdim * n
+
+
+def host_router_topk(x, w, k: int = 2):
+    """router_topk's result computed with torch on the host (fp32 logits and softmax)."""
+    import torch
+    t, h = x.shape
+    e = w.shape[1]
+    if t % P or h % P or not 8 <= e <= 512 or not 1 <= k <= 8:
+        raise ValueError(f"router_topk: need T, H multiples of {P}, 8 <= E <= 512, 1 <= k <= 8; "
+                         f"got T={t}, H={h}, E={e}, k={k}")
+    top, idx = torch.topk(x.float() @ w.float(), k, dim=-1)
+    probs = torch.exp(top - top[:, :1])
+    return probs / probs.sum(-1, keepdim=True), idx.to(torch.int32)
+
+
+def host_grouped_matmul(x, w, block_expert):
+    """grouped_matmul's result computed with torch on the host (fp32 accumulation)."""
+    import torch
+    rows, kdim = x.shape
+    e, kw, n = w.shape
+    nb = block_expert.shape[0]
+    if kw != kdim or rows != nb * BT or kdim % P or n % NT:
+        raise ValueError(f"grouped_matmul: need x [NB * {BT}, K], w [E, K, N] (K % {P} == 0, N % {NT} == 0) "
+                         f"and block_expert [NB, 1]; got x {tuple(x.shape)}, w {tuple(w.shape)}, NB={nb}")
+    blocks = x.float().view(nb, BT, kdim)
+    return torch.bmm(blocks, w.float()[block_expert.view(-1).long()]).view(rows, n).to(x.dtype)

@@ -58,9 +58,10 @@ def _heads(q, *rest):
     return (q.shape[0],)
 
 
-attention_fwd_op = nki_op("nki_kernels::attention_fwd", mha.attention_fwd, num_outputs=2,
+# (each op computes with its host path unless NKI_SIMULATOR=1, and is charged its kernel's time)
+attention_fwd_op = nki_op("nki_kernels::attention_fwd", mha.attention_fwd, num_outputs=2, host=mha.host_fwd,
                           grid=_heads, arg_types={"scale": float, "causal": bool, "window": int})
-attention_bwd_op = nki_op("nki_kernels::attention_bwd", mha.attention_bwd, num_outputs=3,
+attention_bwd_op = nki_op("nki_kernels::attention_bwd", mha.attention_bwd, num_outputs=3, host=mha.host_bwd,
                           grid=_heads, arg_types={"scale": float, "causal": bool, "window": int})
 
 
@@ -102,7 +103,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 # -- decode (paged) attention (decode_attention.py) --------------------------------------------
 decode_attention_op = nki_op("nki_kernels::decode_attention", decode_attention.decode_attention,
-                             grid=_heads, arg_types={"scale": float})
+                             grid=_heads, arg_types={"scale": float}, host=decode_attention.host)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -117,8 +118,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 # -- mixture of experts (moe.py) -----------------------------------------------------------------
-router_topk_op = nki_op("nki_kernels::router_topk", moe.router_topk, num_outputs=2, arg_types={"k": int})
-grouped_matmul_op = nki_op("nki_kernels::grouped_matmul", moe.grouped_matmul)
+router_topk_op = nki_op("nki_kernels::router_topk", moe.router_topk, num_outputs=2, arg_types={"k": int},
+                        host=moe.host_router_topk)
+grouped_matmul_op = nki_op("nki_kernels::grouped_matmul", moe.grouped_matmul, host=moe.host_grouped_matmul)
 
 
 def router_topk(x: torch.Tensor, w: torch.Tensor, k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import settings
 from .jit import Kernel, jit
+from .on_device import call_on_device, has_neuron_tensors
 from .typing import TensorType
 
 
@@ -33,12 +35,16 @@ def _annotation(param: inspect.Parameter) -> Any:
 
 def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1,
            grid: Sequence[int] | Callable[..., tuple] | None = None,
-           arg_types: dict | None = None, mutates_args: Sequence[str] = ()) -> Any:
+           arg_types: dict | None = None, mutates_args: Sequence[str] = (),
+           host: Callable | None = None) -> Any:
     """Register `kernel` as the torch custom op `qualname` ("namespace::name").
 
     Parameters without defaults are tensors; ones with int/float/bool defaults are scalars
     (override with `arg_types={"name": float}`). `grid` is a launch grid, or a function of
-    the op's arguments that returns one (e.g. one program per head). The op returns `num_outputs` tensors. Its
+    the op's arguments that returns one (e.g. one program per head). `host` is a host
+    implementation with the kernel's numerics: unless NKI_SIMULATOR=1 the op computes with it
+    and, on neuron tensors, charges the kernel's timing-only latency (cached per signature).
+    The op returns `num_outputs` tensors. Its
     fake implementation runs the kernel timing-only on shape placeholders to learn the
     output shapes and dtypes, so `torch.compile` can trace it. Returns the custom op
     (callable; also reachable as `torch.ops.<namespace>.<name>`).
@@ -59,7 +65,14 @@ def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1,
     ret = torch.Tensor if num_outputs == 1 else tuple[tuple([torch.Tensor] * num_outputs)]
 
     def impl(*args, **kwargs):
-        out = launch(args)(*args, **kwargs)
+        if host is not None and not settings.current().nki_simulator:
+            if has_neuron_tensors(args, kwargs):
+                out = call_on_device(launch(args), args, kwargs, host=host,
+                                     timing=lambda: _timing(launch(args), args, kwargs))
+            else:
+                out = host(*args, **kwargs)
+        else:
+            out = launch(args)(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         fixed = tuple(o.clone() if any(o is i for i in inputs) else o for o in outs)  # no aliasing
@@ -82,6 +95,28 @@ def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1,
     op.register_fake(fake)
     op.kernel = k
     return op
+
+
+_timings: dict = {}
+
+
+def _signature(x: Any) -> Any:
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+def _timing(kernel: Kernel, args: tuple, kwargs: dict) -> Any:
+    """KernelStats of a timing-only run on the arguments' shapes and dtypes (cached)."""
+    key = (kernel.fn, kernel.grid, tuple(_signature(a) for a in args),
+           tuple((k, _signature(v)) for k, v in sorted(kwargs.items())))
+    stats = _timings.get(key)
+    if stats is None:
+        def holder(a):
+            return TensorType(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+        _, stats = kernel.run(tuple(holder(a) for a in args), {k: holder(v) for k, v in kwargs.items()})
+        if len(_timings) >= 1024:
+            _timings.clear()
+        _timings[key] = stats
+    return stats
 
 
 def _torch_dtype(d: Any) -> torch.dtype:

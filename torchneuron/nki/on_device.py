@@ -28,8 +28,11 @@ def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(obj)
 
 
-def call_on_device(kernel: Any, args: tuple, kwargs: dict) -> Any:
-    """Run `kernel` on neuron tensors: simulate on their host views, charge the device."""
+def call_on_device(kernel: Any, args: tuple, kwargs: dict, host: Callable | None = None,
+                   timing: Callable[[], Any] | None = None) -> Any:
+    """Run `kernel` on neuron tensors: simulate on their host views, charge the device. With
+    `host`, compute `host(*args)` on the views instead and charge `timing()`'s KernelStats
+    (the kernel's timing-only run): the fast path of an op whose numerics match the kernel."""
     devices = {a.device for a in list(args) + list(kwargs.values()) if _is_neuron(a)}
     if len(devices) > 1:
         raise RuntimeError(f"NKI kernel {kernel.__name__} got tensors on several devices: {sorted(map(str, devices))}")
@@ -48,7 +51,10 @@ def call_on_device(kernel: Any, args: tuple, kwargs: dict) -> Any:
     # host views are inference tensors: the kernel reads and writes them in inference mode
     with torch.neuron.device(device.index if device.index is not None else 0), torch.inference_mode():
         torch.neuron.synchronize()  # device memory is read outside the op queue
-        out, stats = kernel.run(_map(args, to_host), _map(kwargs, to_host))
+        if host is None:
+            out, stats = kernel.run(_map(args, to_host), _map(kwargs, to_host))
+        else:
+            out, stats = host(*_map(args, to_host), **_map(kwargs, to_host)), timing()
 
         def to_device(o):
             if not isinstance(o, torch.Tensor):
