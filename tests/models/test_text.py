@@ -6,7 +6,8 @@ pytest.importorskip("transformers")
 
 from .zoo_checks import cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"llama": False, "gemma3": False, "deepseek_v3": False}, "adaptive": {"qwen3": True}}
+SUBSETS = {"bf16": {"llama": False, "gemma3": False, "deepseek_v3": False}, "adaptive": {"qwen3": True},
+           "compiled": {"llama": True}}
 
 
 @pytest.mark.parametrize("name,mode", cases("text", SUBSETS))
