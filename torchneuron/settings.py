@@ -116,6 +116,10 @@ class Settings:
     compile_cache_dir: str | None = variable(
         "TORCHNEURON_COMPILE_CACHE_DIR", None,
         "directory of the on-disk cache of compiled graphs (default: Inductor's cache dir)")
+    compile_tiered: bool = variable(
+        "TORCHNEURON_COMPILE_TIERED", True,
+        "`0`: a compiled graph's first calls wait for its C++ kernels to build (default: they run the graph with "
+        "ATen kernels, charged as planned, until the build finishing in the background is ready)")
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")

@@ -8,7 +8,8 @@ known without importing Dynamo: it registers the backend and the Dynamo device i
 when `torch._dynamo` is first imported, and lets FlexAttention accept neuron tensors when
 `torch.nn.attention.flex_attention` is. Inductor's code generation for the device is
 registered on first use of the backend (`register_inductor()`). See backend.py for the
-pipeline and config.py for the environment variables.
+pipeline and config.py for the environment variables. A graph's first calls run with ATen
+kernels while its C++ builds in the background (tiered.py; `wait_for_builds()`, `build_stats()`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 import warnings
 from typing import Any, Callable
 
-__all__ = ["NeuronCompileError", "neuron_backend", "register", "register_inductor"]
+__all__ = ["NeuronCompileError", "build_stats", "neuron_backend", "register", "register_inductor", "wait_for_builds"]
 
 
 def neuron_backend(gm: Any, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
@@ -26,6 +27,21 @@ def neuron_backend(gm: Any, example_inputs: list[Any], **kwargs: Any) -> Callabl
     from torchneuron.compiler.backend import neuron_backend as compile_graph
 
     return compile_graph(gm, example_inputs, **kwargs)
+
+
+def wait_for_builds(timeout: float | None = None) -> bool:
+    """Waits for the compiled graphs' C++ kernels building in the background (tiered mode,
+    TORCHNEURON_COMPILE_TIERED); False if `timeout` seconds passed first."""
+    from torchneuron.compiler import tiered
+
+    return tiered.wait(timeout)
+
+
+def build_stats() -> dict[str, float]:
+    """Tiered execution's counters: builds, their seconds, ATen-tier calls, switches (tiered.stats)."""
+    from torchneuron.compiler import tiered
+
+    return tiered.stats()
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,8 @@ compiled callable. Stages, each its own module:
 3. pipeline.py (run by Inductor on each post-autograd graph): passes.py, partition.py,
    graph_fusion.py, leaving the graph's kernel plan;
 4. codegen.py: Inductor's C++ code generation for the device, with the plan embedded;
-   program.py charges the plan to the device timeline when the graph runs;
+   program.py charges the plan to the device timeline when the graph runs; tiered.py runs the
+   graph with ATen kernels while its C++ builds in the background;
 5. cache.py: compiled graphs in memory and on disk; artifacts.py: the dump directory.
 
 Only `mode="default"` exists: other modes warn once and compile as the default. `options`
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule
 
-from torchneuron.compiler import artifacts, cache, config, patterns
+from torchneuron.compiler import artifacts, cache, config, patterns, tiered
 from torchneuron.compiler.errors import NeuronCompileError
 from torchneuron.runtime.worklog import worklog_paused
 
@@ -91,12 +92,21 @@ def compile_graph(gm: GraphModule, example_inputs: list[Any], **kwargs: Any) -> 
 
     from torchneuron.compiler.plan import PLAN_META_KEY
 
+    from torch._dynamo.utils import counters
+
+    tier = tiered.AtenTier.of(gm) if tiered.enabled() else None
+    hits = counters["inductor"]["fxgraph_cache_hit"]
     try:
-        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        with tiered.offering(tier) as offer:
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
     except NeuronCompileError:
         raise
     except Exception as error:
         raise _chained(as_compile_error(error), error) from None
+    if offer.build is not None and offer.build.tier is not None and (
+            counters["inductor"]["fxgraph_cache_hit"] > hits  # from the disk: only loading, no build
+            or not offer.build.tier.set_output_strides(getattr(compiled, "output_strides", None))):
+        offer.build.tier = None  # (or symbolic output strides) the first call waits for the build
     plan = gm.meta.get(PLAN_META_KEY)
     source = getattr(compiled, "source_code", None)
     if source and config.dump_dir():

@@ -8,7 +8,9 @@ correct kernels for it; this module owns the pieces that make Inductor accept th
   `empty_strided`, calls the C++ kernels as CPU kernels (they take raw pointers into host
   memory) and embeds the graph's `DeviceProgram` (the fused-kernel
   plan built by `pipeline.NeuronGraphPass`), so the generated module charges its kernels to the
-  device timeline on every call, also when Inductor's caches reload it in a later process;
+  device timeline on every call, also when Inductor's caches reload it in a later process. In
+  tiered mode (tiered.py) its kernels build in the background (`BackgroundBuild`) and `call`
+  runs the graph's ATen tier until they are built;
 registration.py registers both with Inductor.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch._inductor.virtualized import V
 from torchneuron.compiler.plan import PLAN_META_KEY
 
 PROGRAM_NAME = "_neuron_program"
+BUILD_NAME = "_neuron_build"
 
 
 class NeuronDeviceOpOverrides(DeviceOpOverrides):
@@ -40,6 +43,12 @@ class NeuronDeviceOpOverrides(DeviceOpOverrides):
 
     def cpp_kernel_type(self) -> str:
         return "void*"
+
+
+def _tiered() -> bool:
+    from torchneuron.compiler import tiered
+
+    return _current_plan() is not None and tiered.enabled()
 
 
 def _current_plan():
@@ -83,8 +92,21 @@ class NeuronWrapperCodegen(PythonWrapperCodegen):
         if plan is not None:
             self.imports.writeline("from torchneuron.compiler.program import DeviceProgram")
             self.header.writeline(f"{PROGRAM_NAME} = DeviceProgram.from_json({plan.to_json()!r})")
+        if _tiered():
+            self.imports.writeline("from torchneuron.compiler.tiered import BackgroundBuild")
+            self.header.writeline("async_compile = BackgroundBuild()")
+
+    def write_async_compile_wait(self) -> None:
+        if not _tiered():
+            return super().write_async_compile_wait()
+        self.prefix.splice(f"""
+
+            {BUILD_NAME} = async_compile.start(globals())
+            del async_compile
+            """)
 
     def generate_after_suffix(self, result) -> None:
         super().generate_after_suffix(result)
         if _current_plan() is not None:
-            result.writeline(f"call = {PROGRAM_NAME}.wrap(call)")
+            build = f", {BUILD_NAME}" if _tiered() else ""
+            result.writeline(f"call = {PROGRAM_NAME}.wrap(call{build})")

@@ -1,6 +1,7 @@
 """A compiled graph at run time: runs the generated host code, charges its kernel plan.
 
-`DeviceProgram.wrap(call)` is applied by the generated module to Inductor's `call`. Each call
+`DeviceProgram.wrap(call)` is applied by the generated module to Inductor's `call` (in tiered
+mode with the module's background build, whose ATen tier runs until the build is done). Each call
 runs the host code with the eager work log paused (the extern kernels and buffer copies it
 issues are part of the planned kernels, not eager ops), then charges the plan's kernels to
 the device timeline of the graph's device, in order, on the current stream. Costs are priced
@@ -81,11 +82,18 @@ class DeviceProgram:
         for name, cost, meta in self.entries(bindings):
             timeline.enqueue(stream, cost, name, meta)
 
-    def wrap(self, call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-        """The generated `call`, running paused from the work log and charging the plan."""
+    def wrap(self, generated: Callable[[list[Any]], Any], build: Any = None) -> Callable[[list[Any]], Any]:
+        """The generated `call`, running paused from the work log and charging the plan. With a
+        `build` (tiered.Build, tiered mode), its ATen tier runs instead until the build is done."""
         symbolic = bool(self.plan.symbols)
 
         def run_logged(args: list[Any]) -> Any:
+            nonlocal build
+            call = generated
+            if build is not None:
+                call = build.runner(generated)
+                if call is generated:
+                    build = None
             # The work log's switch (TORCHNEURON_TIMELINE, worklog.set_enabled) decides for compiled
             # graphs as for eager ops: when recording is off, leave it off and charge nothing.
             if not fast.worklog_exchange_enabled(False):
@@ -105,5 +113,5 @@ class DeviceProgram:
             with eager.suspended():  # generated code reads device memory directly
                 return run_logged(args)
 
-        run.__wrapped__ = call  # type: ignore[attr-defined]
+        run.__wrapped__ = generated  # type: ignore[attr-defined]
         return run

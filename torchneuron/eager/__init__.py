@@ -29,7 +29,7 @@ from torchneuron.eager.queue_fusion import Executor, KernelCompiler
 from torchneuron.eager.queue import flush_records, queue_kind
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-op Python code
 
-__all__ = ["flush", "get_eager_mode", "pending", "set_eager_mode", "set_kernel_compiler", "stats", "suspended"]
+__all__ = ["flush", "forget_programs", "get_eager_mode", "pending", "set_eager_mode", "set_kernel_compiler", "stats", "suspended"]
 
 MODES = ("eager", "adaptive")
 _executor = Executor()
@@ -99,6 +99,15 @@ def stats() -> dict[str, int]:
     for name, value in fast.adaptive_stats().items():
         result[name] = result.get(name, 0) + value
     return result
+
+
+def forget_programs() -> None:
+    """Forgets every fused program and cached plan (the next runs are seen, and compiled, anew):
+    for measuring warm-up from cold."""
+    flush()
+    _executor.sequences.clear()
+    _executor.volatile.clear()
+    fast.adaptive_forget_plans()
 
 
 def _flush_records(records: list) -> tuple[list, bool]:
