@@ -117,9 +117,10 @@ class Settings:
         "TORCHNEURON_COMPILE_CACHE_DIR", None,
         "directory of the on-disk cache of compiled graphs (default: Inductor's cache dir)")
     compile_tiered: bool = variable(
-        "TORCHNEURON_COMPILE_TIERED", True,
-        "`0`: a compiled graph's first calls wait for its C++ kernels to build (default: they run the graph with "
-        "ATen kernels, charged as planned, until the build finishing in the background is ready)")
+        "TORCHNEURON_COMPILE_TIERED", False,
+        "`1` (experimental): a compiled graph's first calls run the graph with ATen kernels, charged as planned, "
+        "until its C++ kernels finish building in the background (results can differ from the C++ kernels' in "
+        "the last bits; default: the first call waits for the build)")
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")

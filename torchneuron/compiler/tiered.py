@@ -112,7 +112,7 @@ class AtenTier:
     @staticmethod
     def of(gm: torch.fx.GraphModule) -> "AtenTier":
         """A tier over a copy of `gm` (Inductor rewrites `gm` itself), NKI ops lowered to host kernels."""
-        from torchneuron.compiler.nki_kernels import lower_to_host
+        from torchneuron.compiler.host_stand_ins import lower_to_host
 
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
