@@ -21,13 +21,30 @@ BT = 512       # tokens per block
 NT = 512       # output columns per PSUM tile
 
 
-@nki.jit
-def router_topk(x, w, k: int = 2):
+def _router_shapes(x, w, k: int) -> tuple[int, int, int]:
+    """(T, H, E) of router_topk's operands, or the ValueError naming what the kernel takes."""
     t, h = x.shape
     e = w.shape[1]
     if t % P or h % P or not 8 <= e <= 512 or not 1 <= k <= 8:
         raise ValueError(f"router_topk: need T, H multiples of {P}, 8 <= E <= 512, 1 <= k <= 8; "
                          f"got T={t}, H={h}, E={e}, k={k}")
+    return t, h, e
+
+
+def _grouped_shapes(x, w, block_expert) -> tuple[int, int, int, int]:
+    """(rows, K, N, NB) of grouped_matmul's operands, or the ValueError naming what the kernel takes."""
+    rows, kdim = x.shape
+    _, kw, n = w.shape
+    nb = block_expert.shape[0]
+    if kw != kdim or rows != nb * BT or kdim % P or n % NT:
+        raise ValueError(f"grouped_matmul: need x [NB * {BT}, K], w [E, K, N] (K % {P} == 0, N % {NT} == 0) "
+                         f"and block_expert [NB, 1]; got x {tuple(x.shape)}, w {tuple(w.shape)}, NB={nb}")
+    return rows, kdim, n, nb
+
+
+@nki.jit
+def router_topk(x, w, k: int = 2):
+    t, h, e = _router_shapes(x, w, k)
     weights = nl.ndarray((t, k), dtype=nl.float32, buffer=nl.shared_hbm)
     experts = nl.ndarray((t, k), dtype=nl.int32, buffer=nl.shared_hbm)
     w_sb = nl.ndarray((P, h // P, e), dtype=w.dtype, buffer=nl.sbuf)
@@ -63,12 +80,7 @@ def router_topk(x, w, k: int = 2):
 
 @nki.jit
 def grouped_matmul(x, w, block_expert):
-    rows, kdim = x.shape
-    e, kw, n = w.shape
-    nb = block_expert.shape[0]
-    if kw != kdim or rows != nb * BT or kdim % P or n % NT:
-        raise ValueError(f"grouped_matmul: need x [NB * {BT}, K], w [E, K, N] (K % {P} == 0, N % {NT} == 0) "
-                         f"and block_expert [NB, 1]; got x {tuple(x.shape)}, w {tuple(w.shape)}, NB={nb}")
+    rows, kdim, n, nb = _grouped_shapes(x, w, block_expert)
     out = nl.ndarray((rows, n), dtype=x.dtype, buffer=nl.shared_hbm)
     ids = nl.ndarray((1, nb), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=ids, src=block_expert.ap([[0, 1], [1, nb]]))
@@ -103,11 +115,7 @@ def grouped_flops(nb: int, kdim: int, n: int) -> float:
 def host_router_topk(x, w, k: int = 2):
     """router_topk's result computed with torch on the host (fp32 logits and softmax)."""
     import torch
-    t, h = x.shape
-    e = w.shape[1]
-    if t % P or h % P or not 8 <= e <= 512 or not 1 <= k <= 8:
-        raise ValueError(f"router_topk: need T, H multiples of {P}, 8 <= E <= 512, 1 <= k <= 8; "
-                         f"got T={t}, H={h}, E={e}, k={k}")
+    t, h, e = _router_shapes(x, w, k)
     top, idx = torch.topk(x.float() @ w.float(), k, dim=-1)
     probs = torch.exp(top - top[:, :1])
     return probs / probs.sum(-1, keepdim=True), idx.to(torch.int32)
@@ -116,11 +124,6 @@ def host_router_topk(x, w, k: int = 2):
 def host_grouped_matmul(x, w, block_expert):
     """grouped_matmul's result computed with torch on the host (fp32 accumulation)."""
     import torch
-    rows, kdim = x.shape
-    e, kw, n = w.shape
-    nb = block_expert.shape[0]
-    if kw != kdim or rows != nb * BT or kdim % P or n % NT:
-        raise ValueError(f"grouped_matmul: need x [NB * {BT}, K], w [E, K, N] (K % {P} == 0, N % {NT} == 0) "
-                         f"and block_expert [NB, 1]; got x {tuple(x.shape)}, w {tuple(w.shape)}, NB={nb}")
+    rows, kdim, n, nb = _grouped_shapes(x, w, block_expert)
     blocks = x.float().view(nb, BT, kdim)
     return torch.bmm(blocks, w.float()[block_expert.view(-1).long()]).view(rows, n).to(x.dtype)
