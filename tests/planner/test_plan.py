@@ -61,17 +61,6 @@ def test_cli_plan(tiny_config, capsys):
     assert "does not divide" in capsys.readouterr().out
 
 
-def test_pipeline_schedule_adds_the_bubble(tiny_config):
-    kwargs = dict(target="trn2", nodes=1, ranks=4, batch=8, seq=32)
-    flat = plan(tiny_config, {"fsdp": 4}, **kwargs)
-    piped = plan(tiny_config, {"pp": 2, "fsdp": 2}, **kwargs)
-    assert piped.spec.pp == 2 and piped.micro_batches == 4
-    slot = piped.micro.step_s + piped.p2p_s / piped.micro_batches
-    assert piped.bubble_s == pytest.approx(slot, rel=1e-6)             # (pp - 1) slots of 1F1B
-    assert piped.step_s == pytest.approx(5 * slot + piped.optimizer.step_s, rel=1e-6)
-    assert "pipeline bubble" in str(piped) and flat.bubble_s == 0
-
-
 def test_a_model_fn_with_its_batch_fn():
     import torch
     import torch.nn as nn

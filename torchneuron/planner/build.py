@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,6 +39,8 @@ class ParallelSpec:
     pp: int = 1
     checkpointing: bool = False
     sequence_parallel: bool = True
+    schedule: str = "1f1b"          # the pipeline schedule (pipeline.SCHEDULES) when pp > 1
+    virtual_stages: int = 1         # stages per pipeline rank (interleaved schedules)
 
 
 def load_config(source: str | dict) -> Any:
@@ -140,9 +143,12 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
 
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, spec: ParallelSpec, dtype: torch.dtype,
                 parallelize_fn: Callable[[nn.Module, DeviceMesh], Any] | None = None,
-                root: nn.Module | None = None) -> nn.Module:
+                root: nn.Module | list[nn.Module] | None = None) -> nn.Module | list[nn.Module]:
     """Applies TP (+SP), activation checkpointing and FSDP2 to `model` in place; FSDP's root is
-    `root` (a module whose forward runs `model`), else `model`. Returns the root."""
+    `root` (a module whose forward runs `model`, or a list of them: a rank's pipeline stages),
+    else `model`. Under pipeline parallelism FSDP keeps a layer's parameters gathered from its
+    forward to its backward (as torchtitan does: the schedule interleaves micro-batches). Returns
+    the root."""
     root = root if root is not None else model
     if parallelize_fn is not None:
         parallelize_fn(model, device_mesh)
@@ -160,10 +166,22 @@ def parallelize(model: nn.Module, device_mesh: DeviceMesh, spec: ParallelSpec, d
 
         shard_mesh = device_mesh["dp", "fsdp"] if spec.dp > 1 else device_mesh["fsdp"]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        reshard = spec.pp == 1
         for layer in (layers or []):
-            fully_shard(layer, mesh=shard_mesh, mp_policy=policy)
-        fully_shard(root, mesh=shard_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        for module in (root if isinstance(root, list) else [root]):
+            fully_shard(module, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=reshard)
     return root
+
+
+def loss_context(vocab_parallel: bool):
+    """Where a vocabulary-parallel loss (and its backward) runs: `loss_parallel` under tensor
+    parallelism, nothing otherwise."""
+    if not vocab_parallel:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,9 @@ class TrainingPlan:
 
     @property
     def exposed_comm_s(self) -> float:
-        return self.totals.exposed_comm_s + (self.p2p_s if self.spec.pp > 1 else 0.0)
+        """Critical-path time the compute stream waited for communication (a pipeline's bubble,
+        waiting for other stages' work, is not communication)."""
+        return max(0.0, self.totals.exposed_comm_s - self.bubble_s)
 
     def bottlenecks(self, count: int = 5) -> list[str]:
         """The largest contributions to the step, in words."""
@@ -126,7 +128,7 @@ class TrainingPlan:
             f"NeuronCores, LNC={self.lnc}: {self.core.core_type})",
             f"  parallelism: tp={s.tp}{' (+sequence parallel)' if s.sequence_parallel else ''} fsdp={s.fsdp} "
             f"dp={s.dp}{' (ZeRO-1)' if s.fsdp == 1 and s.dp > 1 else ''} pp={s.pp}"
-            f"{' (1F1B)' if s.pp > 1 else ''}; activation checkpointing {'on' if s.checkpointing else 'off'}",
+            f"{f' ({s.schedule}, torch.distributed.pipelining)' if s.pp > 1 else ''}; activation checkpointing {'on' if s.checkpointing else 'off'}",
             f"  batch: {self.global_batch} x {self.seq} tokens a step; {self.micro_batches} micro-batches of "
             f"{self.micro_batch} per rank; {self.dtype}{' with FP8 matmul peak' if self.fp8 else ''}; "
             f"mode {self.mode}",
@@ -147,7 +149,8 @@ class TrainingPlan:
             lines.append(f"  decoder layers are identical: traced at depths {self.depths[0]} and {self.depths[1]}, "
                          f"every figure extrapolated linearly to {self.layers // s.pp} layers per stage")
         if s.pp > 1:
-            lines.append("  pipeline: the traced stage holds the embedding and the output layer (the slowest stage)")
+            lines.append(f"  pipeline: the first and the last stage traced under the {s.schedule} schedule; middle "
+                         f"stages cost what the first does; transfers {seconds(self.p2p_s)} busy on the critical rank")
         lines.append(f"  (planned in {self.planning_s:.1f} s on this host)")
         return "\n".join(lines)
 

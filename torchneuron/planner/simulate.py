@@ -247,13 +247,26 @@ def _compiled_items(events: list[OpEvent], resolved: list, start: int, last_read
 def price(events: list, mode: str, target: Target, topology: Topology, fp8: bool = False) -> list[Item]:
     """The trace as priced work in `mode` ("eager", "adaptive", "compiled"); `fp8`: matmuls
     take FP8 operands."""
+    return price_ranges(events, [(0, len(events))], mode, target, topology, fp8)[0]
+
+
+def price_ranges(events: list, ranges: list[tuple[int, int]], mode: str, target: Target, topology: Topology,
+                 fp8: bool = False) -> list[list[Item]]:
+    """`price` of each events[start:end] of `ranges` (the actions of a pipeline schedule's run): a
+    compiled graph never spans two ranges, and what a range produces for a later one (the
+    activations a forward saves for its backward) is that graph's output, written to HBM."""
     if mode not in MODES:
         raise ValueError(f"unknown execution mode {mode!r}; expected one of {', '.join(MODES)}")
     resolved = _resolve(events)
     last_read = _last_reads(resolved) if mode != "eager" else {}
+    return [_price_range(events, resolved, last_read, lo, hi, mode, target, topology, fp8) for lo, hi in ranges]
+
+
+def _price_range(events: list, resolved: list, last_read: dict, lo: int, hi: int, mode: str, target: Target,
+                 topology: Topology, fp8: bool) -> list[Item]:
     items: list[Item] = []
     run: list[OpEvent] = []
-    run_start = 0
+    run_start = lo
 
     def close_run() -> None:
         nonlocal run
@@ -266,7 +279,8 @@ def price(events: list, mode: str, target: Target, topology: Topology, fp8: bool
             items.extend(_compiled_items(run, resolved, run_start, last_read, target, fp8))
         run = []
 
-    for index, event in enumerate(events):
+    for index in range(lo, hi):
+        event = events[index]
         if isinstance(event, CollectiveEvent):
             close_run()
             cost, algorithm = topology.collective(event.kind, event.nbytes, event.ranks)
@@ -305,7 +319,11 @@ class Replay:
             for item in items:
                 self._one(item)
 
-    def _one(self, item: Item) -> None:
+    def run_one(self, item: Item) -> float:
+        """Runs one item; returns the time it ends."""
+        return self._one(item)
+
+    def _one(self, item: Item) -> float:
         timeline, totals, cost = self.timeline, self.totals, item.cost
         stream = self.streams.setdefault(item.stream, len(self.streams))
         ready = max((self.ready.get(k, 0.0) for k in item.reads), default=0.0)
@@ -329,6 +347,7 @@ class Replay:
             totals.comm_by_group[item.stream] = totals.comm_by_group.get(item.stream, 0.0) + cost.duration_s
             for key in item.writes:
                 self.ready[key] = end
+        return end
 
     def finish(self) -> Totals:
         self.totals.step_s = self.timeline.synchronize()

@@ -14,7 +14,7 @@ under tensor parallelism (`loss_parallel`).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,7 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torchneuron.planner.build import ModelSource, ParallelSpec, Zero1, build_model, decoder_layers, parallelize
+from torchneuron.planner.build import (
+    ModelSource, ParallelSpec, Zero1, build_model, decoder_layers, loss_context, parallelize,
+)
+from torchneuron.planner.pipeline import PipelineTrace, StageRun, traced_micro_batches
 from torchneuron.planner.trace import Tracer
 from torchneuron.planner.world import mesh as make_mesh
 
@@ -39,6 +42,7 @@ class StepSetup:
     depth: int | None = None
     parallelize_fn: Callable | None = None
     batch_fn: Callable | None = None      # (micro_batch, seq, device) -> model inputs (for a model_fn)
+    micro_batches: int = 1                # of the step (pp > 1: the schedule's)
 
 
 @dataclass
@@ -51,6 +55,8 @@ class StepTrace:
     optimizer_bytes: int    # optimizer states (+ FP32 master weights for ZeRO-1)
     layers: int
     vocab: int
+    pipeline: PipelineTrace | None = None       # pp > 1: the schedule run's actions (micro covers the whole run)
+    order: Callable[[int], dict] | None = None  # pp > 1: every pipeline rank's actions for m micro-batches
 
 
 def _is_decoder(model: nn.Module) -> bool:
@@ -75,16 +81,8 @@ class DecoderLoss(nn.Module):
             out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary)
             hidden = out[0] if isinstance(out, tuple) else out
         logits = self.lm.lm_head(inner.norm(hidden))
-        with _loss_context(self.vocab_parallel):
+        with loss_context(self.vocab_parallel):
             return F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1))
-
-
-def _loss_context(vocab_parallel: bool):
-    if not vocab_parallel:
-        return nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
 
 
 def run_micro_batch(root: nn.Module, inputs: Any) -> None:
@@ -94,7 +92,7 @@ def run_micro_batch(root: nn.Module, inputs: Any) -> None:
     else:
         out = root(*inputs) if isinstance(inputs, tuple) else root(inputs)
         loss = (out[0] if isinstance(out, tuple) else out).float().mean()
-    with _loss_context(isinstance(root, DecoderLoss) and root.vocab_parallel):
+    with loss_context(isinstance(root, DecoderLoss) and root.vocab_parallel):
         loss.backward()
 
 
@@ -129,25 +127,44 @@ def trace_step(setup: StepSetup) -> StepTrace:
     param_dtype = torch.float32 if fsdp else setup.dtype
     model = build_model(setup.source, param_dtype, fake_mode, setup.depth)
     device_mesh = make_mesh({"pp": spec.pp, "dp": spec.dp, "fsdp": spec.fsdp, "tp": spec.tp})
-    root = DecoderLoss(model, spec.tp > 1 and setup.parallelize_fn is None) if _is_decoder(model) else None
-    root = parallelize(model, device_mesh, spec, setup.dtype, setup.parallelize_fn, root)
     device = torch.device("neuron", 0)
+    stages = None
+    if spec.pp > 1:
+        if not _is_decoder(model) or setup.parallelize_fn is not None:
+            raise ValueError("pipeline parallelism splits a transformers decoder's layers into stages; for a model_fn "
+                             "(or a custom parallelize) plan with pp=1")
+        # TP (+SP) and recomputation first, then the stages hold the wrapped layers and are FSDP's roots
+        parallelize(model, device_mesh, dataclasses.replace(spec, fsdp=1), setup.dtype)
+        stages = StageRun(model, device_mesh, spec, setup.seq, setup.micro_batch, setup.dtype, device, fake_mode,
+                          traced_micro_batches(spec.schedule, spec.pp, setup.micro_batches))
+        parallelize(model, device_mesh, dataclasses.replace(spec, tp=1, checkpointing=False), setup.dtype,
+                    root=stages.modules)
+        stages.build(setup.dtype)
+        owners: list[nn.Module] = stages.modules
+    else:
+        root = DecoderLoss(model, spec.tp > 1 and setup.parallelize_fn is None) if _is_decoder(model) else None
+        root = parallelize(model, device_mesh, spec, setup.dtype, setup.parallelize_fn, root)
+        owners = [model]
     with fake_mode:
-        params = list(model.parameters())
+        params = [p for owner in owners for p in owner.parameters()]
         if fsdp:
             optimizer: Any = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         else:
             group = device_mesh["dp"].get_group() if spec.dp > 1 else None
             optimizer = Zero1(params, group)
-        inputs = _inputs(model, setup, device)
-        run_micro_batch(root, inputs)      # warm-up: lazy init, optimizer states, caches
+        if stages is None:
+            inputs = _inputs(model, setup, device)
+            run = lambda tracer: run_micro_batch(root, inputs)  # noqa: E731
+        else:
+            run = stages.step
+        run(None)      # warm-up: lazy init, optimizer states, caches
         optimizer.step()
         optimizer.zero_grad()
         names = _group_names(device_mesh)
         micro, opt = Tracer(names), Tracer(names)
         with micro:
             micro.phase = "forward/backward"
-            run_micro_batch(root, inputs)
+            pipeline = run(micro)
         micro.finish()
         with opt:
             opt.phase = "optimizer"
@@ -160,13 +177,13 @@ def trace_step(setup: StepSetup) -> StepTrace:
             states = [s for state in optimizer.state.values() for s in state.values()
                       if isinstance(s, torch.Tensor) and s.dim() > 0]
             optimizer_bytes = _nbytes(s.to_local() if hasattr(s, "to_local") else s for s in states)
-            grad_bytes = param_bytes
         else:
             states = [s for state in optimizer.optimizer.state.values() for s in state.values()
                       if isinstance(s, torch.Tensor) and s.dim() > 0]
             optimizer_bytes = _nbytes(states) + _nbytes(optimizer.masters)
-            grad_bytes = param_bytes
+        grad_bytes = param_bytes
     layers = decoder_layers(model)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
     return StepTrace(micro, opt, param_bytes, numel, grad_bytes, optimizer_bytes,
-                     len(layers) if layers is not None else 0, vocab)
+                     len(layers) if layers is not None else 0, vocab, pipeline,
+                     stages.order if stages is not None else None)

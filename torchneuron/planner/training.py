@@ -11,10 +11,11 @@ every figure (times, FLOPs, bytes, memory) is extrapolated linearly to L (a laye
 same work and, in the steady state of FSDP's prefetching, the same critical-path time); the
 report states it. A `model_fn` is traced whole.
 
-Pipeline parallelism (pp > 1): the traced rank is a stage of L/pp layers (with the embedding
-and the output layer: the slowest stage), running a 1F1B schedule: (m + pp - 1) micro-batch
-slots of one forward and backward plus the activation and gradient transfers between stages,
-then the optimizer; the bubble is (pp - 1) slots.
+Pipeline parallelism (pp > 1, pipeline.py): the first and the last pipeline rank are traced,
+each running its stage(s) of L/pp layers under torch.distributed.pipelining's schedule (1F1B by
+default) with micro-batches; the schedule's order of every rank's actions is replayed with the
+traced actions' costs and topology-priced transfers, which gives the step, the bubble and the
+p2p time. Depth extrapolation applies to the replayed pipeline.
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ from torchneuron.planner.build import ModelSource, ParallelSpec, build_model, de
 from torchneuron.planner.cluster import DEFAULT_LNC, Assumptions, instance, logical_target
 from torchneuron.planner.memory import MemoryPlan
 from torchneuron.planner.report import TrainingPlan
-from torchneuron.planner.simulate import Replay, Totals, price
+from torchneuron.planner.pipeline import (
+    PipelineResult, StageCosts, in_flight, is_multi_stage, replay as replay_pipeline, schedule_class, trimmed,
+)
+from torchneuron.planner.simulate import Replay, Totals, price, price_ranges
 from torchneuron.planner.step import StepSetup, StepTrace, trace_step
 from torchneuron.planner.topology import Topology
 from torchneuron.planner.world import simulated_world
@@ -110,12 +114,14 @@ def plan(model: ModelSource, mesh: dict[str, int] | None = None, *, target: str 
          batch: int = 512, seq: int = 8192, dtype: str | torch.dtype = "bf16", mode: str = "eager",
          fp8: bool = False, checkpointing: bool = False, lnc: int | None = None, micro_batch: int = 1,
          assumptions: Assumptions | None = None, parallelize: Callable | None = None,
-         batch_fn: Callable | None = None, sequence_parallel: bool = True, ranks: int | None = None) -> TrainingPlan:
+         batch_fn: Callable | None = None, sequence_parallel: bool = True, ranks: int | None = None,
+         pp_schedule: str = "1f1b", virtual_stages: int = 1) -> TrainingPlan:
     """Plans one training step of `model` (a transformers config path or dict, or a model_fn
     building the module) on `nodes` nodes of `target`, sharded by `mesh` ({"tp", "fsdp", "pp",
     "dp"}), at `batch` sequences of `seq` tokens a step. `mode`: "eager", "adaptive" or
-    "compiled". `ranks` uses only that many logical cores of the first node. Returns the report
-    (print it)."""
+    "compiled". `ranks` uses only that many logical cores of the first node. With pp > 1,
+    `pp_schedule` names the torch.distributed.pipelining schedule ("gpipe", "1f1b",
+    "interleaved1f1b" with `virtual_stages` stages per rank). Returns the report (print it)."""
     started = time.perf_counter()
     assumptions = assumptions or Assumptions(micro_batch=micro_batch)
     node = instance(target)
@@ -125,38 +131,44 @@ def plan(model: ModelSource, mesh: dict[str, int] | None = None, *, target: str 
         core.peak_flops(torch.float8_e4m3fn)  # raises, naming the target's dtypes, without FP8
     topology = Topology(node, core, nodes, assumptions, ranks)
     spec, per_rank, micro_batches = layout(topology.world_size, mesh or {}, batch, micro_batch)
-    spec = ParallelSpec(spec.tp, spec.fsdp, spec.dp, spec.pp, checkpointing, sequence_parallel and spec.tp > 1)
+    schedule_class(pp_schedule)  # an unknown schedule's error names the known ones
+    virtual = virtual_stages if is_multi_stage(pp_schedule) else 1
+    spec = ParallelSpec(spec.tp, spec.fsdp, spec.dp, spec.pp, checkpointing, sequence_parallel and spec.tp > 1,
+                        pp_schedule.lower(), virtual)
     compute_dtype = parse_dtype(dtype)
     full_layers, total_params, hidden = _model_size(model, compute_dtype)
+    if spec.pp > 1 and full_layers % (spec.pp * virtual):
+        raise ValueError(f"{full_layers} decoder layers do not split into pp x virtual stages = {spec.pp * virtual} "
+                         f"equal stages; choose degrees that divide the layer count")
     stage_layers = full_layers / spec.pp if full_layers else 0
     depths: tuple[int | None, ...] = (None,)
-    if not callable(model) and full_layers > max(TRACE_DEPTHS) and (full_layers / spec.pp) > max(TRACE_DEPTHS):
-        depths = TRACE_DEPTHS
+    trace_depths = tuple(d * virtual for d in TRACE_DEPTHS)
+    if not callable(model) and full_layers > max(trace_depths) and stage_layers > max(trace_depths):
+        depths = trace_depths
+    stage_depth = (math.ceil(stage_layers) if spec.pp > 1 else None)
     traced = []
-    with simulated_world(topology.world_size):
-        for depth in depths:
-            setup = StepSetup(model, spec, compute_dtype, micro_batch, seq,
-                              depth if depth is not None else (math.ceil(stage_layers) if spec.pp > 1 else None),
-                              parallelize, batch_fn)
-            trace = trace_step(setup)
-            traced.append((trace, _replay(trace, mode, topology, micro_batches, fp8), _memory_items(trace)))
+    for depth in depths:
+        setup = StepSetup(model, spec, compute_dtype, micro_batch, seq, depth if depth is not None else stage_depth,
+                          parallelize, batch_fn, micro_batches)
+        if spec.pp == 1:
+            with simulated_world(topology.world_size):
+                trace = trace_step(setup)
+            traced.append((trace, _replay(trace, mode, topology, micro_batches, fp8), _memory_items(trace), 0.0, 0.0))
+        else:
+            traced.append(_pipeline(setup, mode, topology, micro_batches, fp8))
     if len(traced) == 1:
-        (trace, (step, micro, opt), items), factor = traced[0], 0.0
+        (trace, (step, micro, opt), items, bubble_s, p2p_s), factor = traced[0], 0.0
     else:
-        (t1, r1, m1), (t2, r2, m2) = traced
+        (t1, r1, m1, b1, p1), (t2, r2, m2, b2, p2) = traced
         factor = (stage_layers - depths[0]) / (depths[1] - depths[0])
         trace = t2
         step, micro, opt = (a.scaled(b, factor) for a, b in zip(r1, r2))
         items = _lerp_dict(m1, m2, factor)
-    bubble_s = 0.0
-    p2p_s = 0.0
-    if spec.pp > 1:
-        step, bubble_s, p2p_s = _pipeline(step, micro, opt, spec, micro_batches, micro_batch * seq * hidden,
-                                          topology, compute_dtype)
+        bubble_s, p2p_s = b1 + factor * (b2 - b1), p1 + factor * (p2 - p1)
     memory = MemoryPlan(items, core.hbm_bytes, assumptions.hbm_reserved_fraction, checkpointing)
     if spec.pp > 1:
-        memory.items["activations"] *= min(spec.pp, micro_batches)  # 1F1B: up to pp micro-batches in flight
-        memory.notes.append(f"1F1B keeps up to {min(spec.pp, micro_batches)} micro-batches' activations on stage 0")
+        memory.notes.append(f"pipeline: activations of the micro-batches the {spec.schedule} schedule keeps in flight "
+                            f"on the stage that needs the most memory")
     if len(depths) > 1:
         memory.notes.append(f"traced at depths {depths[0]} and {depths[1]}, extrapolated to {stage_layers:g} layers")
     return TrainingPlan(
@@ -181,17 +193,51 @@ def _model_size(model: ModelSource, dtype: torch.dtype) -> tuple[int, int, int]:
     return (len(layers) if layers is not None else 0), sum(p.numel() for p in built.parameters()), hidden
 
 
-def _pipeline(step: Totals, micro: Totals, opt: Totals, spec: ParallelSpec, micro_batches: int,
-              activation_numel: int, topology: Topology, dtype: torch.dtype) -> tuple[Totals, float, float]:
-    """The 1F1B schedule of the traced stage: (step totals, bubble seconds, p2p seconds);
-    `activation_numel`: elements of the hidden states one micro-batch hands to the next stage."""
-    activation = activation_numel * dtype.itemsize // (spec.tp if spec.sequence_parallel else 1)
+def _pipeline(setup: StepSetup, mode: str, topology: Topology, micro_batches: int,
+              fp8: bool) -> tuple[StepTrace, tuple[Totals, Totals, Totals], dict[str, float], float, float]:
+    """A pipeline-parallel step: the first and the last pipeline rank traced running their
+    stages under the schedule, every rank's actions replayed (pipeline.py). Returns (a trace,
+    (step, one steady micro-batch, the optimizer) totals, memory items, bubble s, p2p s)."""
+    spec, target = setup.spec, topology.target
     stride = topology.world_size // spec.pp
-    send, _ = topology.collective("send", activation, (0, stride))
-    p2p = 2 * send.duration_s                        # the activation forward, its gradient back
-    slot = micro.step_s + p2p
-    slots = micro_batches + spec.pp - 1
-    total = Totals(**{**vars(step)})
-    total.step_s = slots * slot + opt.step_s
-    total.comm_s = step.comm_s + micro_batches * p2p
-    return total, (spec.pp - 1) * slot, micro_batches * p2p
+    actions: dict = {}
+    tail: dict[int, list] = {}
+    optimizer: dict[int, list] = {}
+    sends: dict[str, int] = {}
+    memories: list[dict[str, float]] = []
+    traces = []
+    for pp_rank in sorted({0, spec.pp - 1}):
+        with simulated_world(topology.world_size, pp_rank * stride):
+            trace = trace_step(setup)
+        run = trace.pipeline
+        ranges = [(seg.start, seg.end) for seg in run.segments] + [(run.tail_start, len(trace.micro.events))]
+        priced = price_ranges(trace.micro.events, ranges, mode, target, topology, fp8)
+        for seg, items in zip(run.segments, priced):
+            actions[(seg.kind, seg.stage, seg.micro_batch)] = trimmed(items)
+        tail[pp_rank] = trimmed(priced[-1])
+        optimizer[pp_rank] = price(trace.optimizer.events, mode, target, topology, fp8)
+        for kind, nbytes in run.sends.items():
+            sends.setdefault(kind, nbytes)
+        order = trace.order(micro_batches)
+        items = _memory_items(trace)
+        items["activations"] *= in_flight(order, pp_rank) / run.in_flight
+        memories.append(items)
+        traces.append(trace)
+    run = traces[0].pipeline
+    costs = StageCosts(actions, tail, sends, run.micro_batches)
+
+    def send_cost(kind: str, source: int, dest: int):
+        ranks = (run.stage_to_rank[source] * stride, run.stage_to_rank[dest] * stride)
+        return topology.collective("send", sends.get(kind, 0), ranks)[0]
+
+    result: PipelineResult = replay_pipeline(order, costs, micro_batches, run.num_stages, run.stage_to_rank,
+                                             send_cost, optimizer)
+    critical = result.critical_rank if result.critical_rank in tail else 0
+    micro = Replay()
+    steady = 1 if run.micro_batches > 2 else 0
+    for stage in sorted({s for _, s, _ in actions if run.stage_to_rank[s] == critical}):
+        micro.run(actions.get(("F", stage, steady), []) + actions.get(("B", stage, steady), []))
+    opt = Replay()
+    opt.run(optimizer[critical])
+    memory = max(memories, key=lambda m: sum(m.values()))
+    return traces[-1], (result.totals, micro.finish(), opt.finish()), memory, result.bubble_s, result.p2p_s

@@ -1,6 +1,6 @@
 """A simulated world: one process standing for every rank of a cluster.
 
-`simulated_world(world_size)` makes this process rank 0 of a `world_size`-rank job whose
+`simulated_world(world_size, rank)` makes this process one rank (0 unless asked) of a `world_size`-rank job whose
 process groups are PyTorch's `FakeProcessGroup` (as torch.testing's fake_pg does, with its
 `FakeStore`) under the c10d backend name `planner`, registered for the neuron device: DeviceMesh,
 FSDP2, tensor parallelism and functional collectives all work, every collective completes at
@@ -47,13 +47,16 @@ def _register() -> None:
 
 
 @contextmanager
-def simulated_world(world_size: int) -> Iterator[None]:
-    """Rank 0 of `world_size` fake ranks for the duration of the block."""
+def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Rank `rank` of `world_size` fake ranks for the duration of the block (a pipeline plan traces
+    the rank of its last stage too)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size} ranks")
     if dist.is_initialized():
         raise RuntimeError("planning needs its own simulated world, but a process group is already initialised "
                            "in this process: plan from a process without one (e.g. before init_process_group)")
     _register()
-    dist.init_process_group(BACKEND, store=_FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group(BACKEND, store=_FakeStore(), rank=rank, world_size=world_size)
     previous = torch.neuron.current_device()
     torch.neuron.set_device(0)
     try:

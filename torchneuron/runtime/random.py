@@ -6,6 +6,11 @@ the same numbers on neuron as on the CPU.
 Dynamo never traces these functions (it treats torch.cuda's the same way, as torch code): called
 from a compiled region, as `torch.testing`'s freeze_rng_state does, they graph-break and run
 eagerly. Tracing into them compiled `set_rng_state` inside no_dispatch() and failed.
+
+A generator's state is host data, not a tensor computation: `set_rng_state` sets the real
+generator from a real state tensor even while a FakeTensorMode is active (as when
+torch.distributed.pipelining's `fork_rng` restores the state around a stage's start-up inside
+the planner's fake world), where the mode would otherwise look for a fake kernel of the op.
 """
 from __future__ import annotations
 
@@ -55,9 +60,18 @@ def get_rng_state(device: Any = "neuron") -> torch.Tensor:
     return runtime_ops().get_rng_state(device_index(device))
 
 
+def _set_state(index: int, state: torch.Tensor) -> None:
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    if is_fake(state):
+        raise ValueError("set_rng_state needs a real state tensor (from get_rng_state), not a fake one")
+    with unset_fake_temporarily():
+        runtime_ops().set_rng_state(index, state.cpu())
+
+
 @torch._disable_dynamo
 def set_rng_state(new_state: torch.Tensor, device: Any = "neuron") -> None:
-    runtime_ops().set_rng_state(device_index(device), new_state.cpu())
+    _set_state(device_index(device), new_state)
 
 
 @torch._disable_dynamo
@@ -68,4 +82,4 @@ def get_rng_state_all() -> list[torch.Tensor]:
 @torch._disable_dynamo
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
     for index, state in enumerate(new_states):
-        runtime_ops().set_rng_state(index, state.cpu())
+        _set_state(index, state)
