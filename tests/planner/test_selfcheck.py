@@ -12,3 +12,13 @@ def test_planned_step_matches_the_real_run(mesh):
     planned, measured = compare(dict(TINY), mesh, seq=32, ranks=2)
     assert measured > 0
     assert planned == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_planned_pipeline_matches_the_real_run(schedule):
+    """Two stages of torch.distributed.pipelining over four micro-batches: the plan's replay of the
+    schedule against the real backend, where the second stage waits for the first's activations."""
+    planned, measured = compare(dict(TINY), {"pp": 2}, seq=32, ranks=2, micro_batches=4, schedule=schedule)
+    assert measured > 0
+    assert planned == pytest.approx(measured, rel=0.05)

@@ -23,8 +23,10 @@ from torchneuron.distributed import collectives as coll
 from torchneuron.distributed.checks import Signature, check, translate
 from torchneuron.distributed.host import Staged, reduce_code, reduce_spec
 from torchneuron.distributed.work import CoalescedWork, CommStreams, NeuronWork
+from torchneuron.hardware.timeline import recording_enabled
 
 Tensors = list[torch.Tensor]
+_CLOCK_TAG = 1 << 24   # the tag offset of a transfer's clock message (user tags are small)
 
 
 def _numel(tensors: Tensors) -> int:
@@ -133,8 +135,11 @@ class NeuronProcessGroup(dist.ProcessGroup):
     def _issued(self, kind: str, nbytes: int, device: int | None, result: Tensors,
                 finish: Callable[[], None] | None = None) -> NeuronWork:
         end = self._streams.charge(kind, nbytes, self.size(), device) if device is not None else None
-        stream = self._streams.get(device) if end is not None else None
-        work = NeuronWork(result, device, end, stream, finish)
+        return self._work(result, device, end, finish)
+
+    def _work(self, result: Tensors, device: int | None, end: torch.Event | None,
+              finish: Callable[[], None] | None) -> NeuronWork:
+        work = NeuronWork(result, device, end, self._streams.get(device) if end is not None else None, finish)
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -277,27 +282,69 @@ class NeuronProcessGroup(dist.ProcessGroup):
                          device=torch.neuron.current_device())
 
     # ---- point to point (host-asynchronous: a send completes when the peer receives) --------------
+    # A transfer carries the sender's modeled start time in a second message: the receiver's copy
+    # starts no earlier than the sender's (nor than the receive was posted), so a rank waiting for
+    # another's data (a pipeline stage for its activations) waits on the device timeline too.
     def send(self, tensors: Tensors, dst: int, tag: int) -> NeuronWork:
         (tensor,) = tensors
         device = self._device_of("send", tensors)
         staged = Staged(tensor)
         pending = self._gloo.send([staged.buffer], dst, tag)
-        return self._issued("send", _nbytes(tensors), device, tensors, self._p2p_finish("send", pending, staged))
+        end, start = (self._streams.charge_timed("send", _nbytes(tensors), self.size(), device)
+                      if device is not None else (None, -1.0))
+        clock = torch.tensor([start], dtype=torch.float64)
+        clock_sent = self._gloo.send([clock], dst, tag + _CLOCK_TAG)
+
+        def finish() -> None:
+            self._p2p_finish("send", pending, staged)()
+            clock_sent.wait()
+            del clock_keep[:]
+        clock_keep = [clock]  # alive until gloo has sent it
+        return self._work(tensors, device, end, finish)
 
     def recv(self, tensors: Tensors, src: int, tag: int) -> NeuronWork:
-        (tensor,) = tensors
-        device = self._device_of("recv", tensors)
-        staged = Staged(tensor)
-        pending = self._gloo.recv([staged.buffer], src, tag)
-        return self._issued("recv", _nbytes(tensors), device, tensors, self._p2p_finish("recv", pending, staged))
+        clock = torch.empty(1, dtype=torch.float64)
+        clock_pending = self._gloo.recv([clock], src, tag + _CLOCK_TAG)
+
+        def sender_start(pending: dist.Work) -> float:
+            clock_pending.wait()
+            return float(clock[0])
+        return self._posted_recv(tensors, tag, sender_start, src)
 
     def recv_anysource(self, tensors: Tensors, tag: int) -> NeuronWork:
+        def sender_start(pending: dist.Work) -> float:
+            clock = torch.empty(1, dtype=torch.float64)
+            self._gloo.recv([clock], pending._source_rank(), tag + _CLOCK_TAG).wait()
+            return float(clock[0])
+        return self._posted_recv(tensors, tag, sender_start, None)
+
+    def _posted_recv(self, tensors: Tensors, tag: int, sender_start: Callable[[dist.Work], float],
+                     src: int | None) -> NeuronWork:
+        """A receive charged when its data has come (on the first wait), after the point of the
+        issuing stream where it was posted and not before the sender's transfer began."""
         (tensor,) = tensors
         device = self._device_of("recv", tensors)
         staged = Staged(tensor)
-        pending = self._gloo.recv_anysource([staged.buffer], tag)
-        work = self._issued("recv", _nbytes(tensors), device, tensors, self._p2p_finish("recv", pending, staged))
-        work.set_source(pending._source_rank)
+        if src is None:  # from any source
+            pending = self._gloo.recv_anysource([staged.buffer], tag)
+        else:
+            pending = self._gloo.recv([staged.buffer], src, tag)
+        posted = None
+        if device is not None and recording_enabled():
+            posted = torch.neuron.Event(device=device)
+            posted.record(torch.neuron.current_stream(device))
+        work = self._work(tensors, device, None, None)
+
+        def finish() -> None:
+            self._p2p_finish("recv", pending, staged)()
+            start = sender_start(pending)
+            if posted is not None:
+                work._end, _ = self._streams.charge_timed("recv", _nbytes(tensors), self.size(), device,
+                                                          after=posted, not_before=start)
+                work._stream = self._streams.get(device)
+        work._finish = finish
+        if src is None:
+            work.set_source(pending._source_rank)
         return work
 
     def _p2p_finish(self, kind: str, pending: dist.Work, staged: Staged) -> Callable[[], None]:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from torchneuron import settings
 from torchneuron.hardware.model import collective_cost
-from torchneuron.hardware.timeline import recording_enabled
-from torchneuron.hardware.worklog import charge
+from torchneuron.hardware.timeline import get_timeline, recording_enabled
+from torchneuron.hardware.worklog import charge, drain
 
 _overlap = settings.current().dist_overlap
 
@@ -47,15 +47,28 @@ class CommStreams:
     def charge(self, kind: str, nbytes: int, ranks: int, device: int, meta: dict | None = None) -> torch.Event | None:
         """Charges one collective to `device`'s communication stream, ordered after the work already
         issued on the current stream. Returns the event at its end (None when timing is off)."""
+        return self.charge_timed(kind, nbytes, ranks, device, meta)[0]
+
+    def charge_timed(self, kind: str, nbytes: int, ranks: int, device: int, meta: dict | None = None,
+                     after: torch.Event | None = None, not_before: float = 0.0) -> tuple[torch.Event | None, float]:
+        """`charge`, ordered after `after` (an event of the issuing stream) instead of the current
+        stream's work when given, and starting no earlier than the modeled time `not_before`.
+        Returns (the end event, the modeled start); (None, -1) when timing is off."""
         if not recording_enabled():
-            return None
+            return None, -1.0
         comm = self.get(device) if _overlap else torch.neuron.current_stream(device)
-        comm.wait_stream(torch.neuron.current_stream(device))
-        charge(f"c10d::{kind}", collective_cost(kind, nbytes, ranks), device=device, stream=comm.stream_id,
-               meta=meta)
+        if after is None:
+            comm.wait_stream(torch.neuron.current_stream(device))
+        else:
+            comm.wait_event(after)
+        if not_before > 0:
+            drain()
+            get_timeline(device).wait_until(comm.stream_id, not_before)
+        start, _ = charge(f"c10d::{kind}", collective_cost(kind, nbytes, ranks), device=device,
+                          stream=comm.stream_id, meta=meta)
         end = torch.neuron.Event(device=device)
         end.record(comm)
-        return end
+        return end, start
 
 
 class NeuronWork(dist.Work):

@@ -135,16 +135,19 @@ class PipelineTrace:
 
 
 class StageRun:
-    """The traced rank's pipeline stages and schedule (see the module docstring). `root` is the
-    module FSDP shards as its root (the rank's only stage, or a container of its stages)."""
+    """The traced rank's pipeline stages and schedule (see the module docstring). `lm` holds this
+    rank's layers (`whole_model`: all of them, and the rank takes its stages' share); `modules`
+    are its stages' modules (FSDP's roots); `simulated`: in the planner's fake world."""
 
     def __init__(self, lm: nn.Module, device_mesh, spec, seq: int, micro_batch: int, dtype: torch.dtype,
-                 device: torch.device, fake_mode, micro_batches: int):
+                 device: torch.device, fake_mode, micro_batches: int, simulated: bool = True,
+                 whole_model: bool = False):
         from torch.distributed.pipelining import PipelineStage
 
         from torchneuron.planner.build import decoder_layers
 
         self.spec, self.seq, self.micro_batch, self.fake_mode = spec, seq, micro_batch, fake_mode
+        self.simulated, self.device = simulated, device
         pp_mesh = device_mesh["pp"]
         self.group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
@@ -152,13 +155,14 @@ class StageRun:
         self.num_stages = spec.pp * virtual
         indices = [self.pp_rank + k * spec.pp for k in range(virtual)]
         layers = list(decoder_layers(lm))
-        per_stage = len(layers) // virtual
+        # the planner builds only this rank's layers; a real run (selfcheck) builds the whole model
+        per_stage = len(layers) // (self.num_stages if whole_model else virtual)
         shard = spec.tp if spec.sequence_parallel and spec.tp > 1 else 1
         self.modules = []
         for k, index in enumerate(indices):
-            chunk = layers[k * per_stage:(k + 1) * per_stage]
+            first = (index if whole_model else k) * per_stage
+            chunk = layers[first:first + per_stage]
             self.modules.append(DecoderStage(lm, chunk, index == 0, index == self.num_stages - 1, seq))
-        self.root = self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
         self._make_stage = lambda module, index: PipelineStage(
             module, index, self.num_stages, device, input_args=self._example_input(index, device, shard),
             output_args=self._example_output(lm, index, device, shard), group=self.group)
@@ -199,7 +203,8 @@ class StageRun:
         cls = schedule_class(self.spec.schedule)
         stages = self.stages if is_multi_stage(self.spec.schedule) else self.stages[0]
         schedule = cls(stages, micro_batches, loss_fn=decoder_loss)
-        schedule._warmup_p2p = _agree_static
+        if self.simulated:
+            schedule._warmup_p2p = _agree_static
         return schedule
 
     def order(self, micro_batches: int) -> dict[int, list]:
@@ -210,14 +215,15 @@ class StageRun:
         mapping = getattr(self.schedule, "stage_index_to_group_rank", None)
         return dict(mapping) if mapping else {s: s % self.spec.pp for s in range(self.num_stages)}
 
-    def step(self, tracer: Tracer | None = None) -> PipelineTrace | None:
-        """One schedule step over the traced micro-batches; with a tracer, marks its actions."""
+    def step(self, tracer: Tracer | None = None, ids: torch.Tensor | None = None) -> PipelineTrace | None:
+        """One schedule step over the micro-batches of `ids` (token ids, and the labels; zeros when
+        not given); with a tracer, marks its actions."""
         from torchneuron.planner.build import loss_context
 
-        device = torch.device("neuron", 0)
-        total = self.micro_batches * self.micro_batch
-        with self.fake_mode:
-            ids = torch.zeros(total, self.seq, dtype=torch.long, device=device)
+        if ids is None:
+            with self.fake_mode:
+                ids = torch.zeros(self.micro_batches * self.micro_batch, self.seq, dtype=torch.long,
+                                  device=self.device)
         args = (ids,) if 0 in self.indices else ()
         target = ids if self.num_stages - 1 in self.indices else None
         record = None
