@@ -95,3 +95,34 @@ def test_fp8_runs_matmuls_at_the_fp8_rate():
     mm = lambda r: r.totals.by_name["aten::mm"][1]  # noqa: E731
     assert mm(fp8) < 0.75 * mm(bf16)          # the FP8 Tensor-engine rate is twice BF16's on trn2
     assert fp8.peak_flops == 2 * bf16.peak_flops
+
+
+def test_compiled_graphs_trace_through_tensor_parallel_collectives():
+    """DTensor's functional collectives are traced into the compiled graph (no graph break): fewer,
+    larger kernels than ending a graph at each, the same FLOPs and collectives, and no slower."""
+    import torch
+
+    from torchneuron.planner.build import ParallelSpec
+    from torchneuron.planner.cluster import instance, logical_target
+    from torchneuron.planner.simulate import Replay, price
+    from torchneuron.planner.step import StepSetup, trace_step
+    from torchneuron.planner.topology import Topology
+    from torchneuron.planner.world import simulated_world
+
+    with simulated_world(2):
+        trace = trace_step(StepSetup(dict(TINY), ParallelSpec(tp=2), torch.bfloat16, 1, 64))
+    events = trace.micro.events
+    assert any(getattr(e, "functional", False) for e in events)
+    topology = Topology(instance("trn2"), logical_target("trn2", 2), 1, ranks=2)
+
+    def replayed(traced: bool):
+        items = price(events, "compiled", topology.target, topology, traced_collectives=traced)
+        replay = Replay()
+        replay.run(items)
+        return replay.finish()
+
+    through, split = replayed(True), replayed(False)
+    assert through.kernels < split.kernels
+    assert through.flops == pytest.approx(split.flops, rel=1e-9)
+    assert through.comm_s == pytest.approx(split.comm_s, rel=1e-9)
+    assert through.step_s < split.step_s

@@ -8,13 +8,19 @@ Pricing reuses the performance model as each mode's runtime uses it:
 - adaptive: maximal runs of ops adaptive eager may fuse (`eager.op_kinds.FUSIBLE_CATEGORIES`, at
   least `eager.queue_fusion.MIN_OPS` of them) are compiled, the rest run eagerly; collectives and
   other synchronising ops end a run;
-- compiled: the ops between two collectives form one graph (a collective issued from
-  Python, as FSDP's hooks do, breaks a torch.compile graph).
+- compiled: graphs as torch.compile captures them. A collective issued from Python code Dynamo
+  does not trace (FSDP2's hooks, which `torch._dynamo.config.skip_fsdp_hooks` leaves eager;
+  ZeRO-1's c10d calls) ends a graph. A functional collective (`_c10d_functional`, what DTensor
+  and so tensor and sequence parallelism issue) is traced into the graph, as Dynamo does: the
+  ops around it stay one graph and fuse across it, the collective is issued where its input is
+  ready and only the kernels reading its result wait for it (Inductor's wait at first use).
 
 A run or graph is compiled by the compiler itself: the recorded ops become an FX graph whose
 nodes carry meta values, which `compiler.partition`, `compiler.graph_fusion.fuse` and
 `build_kernels` turn into kernels, priced by `compiler.cost.kernel_cost`. A tensor a later
 op reads (or an input an op mutates) is a graph output, so it is written to HBM.
+
+Each kernel waits for the collectives whose results its own ops read.
 
 Replay: compute kernels run in order on stream 0 of a private `hardware.DeviceTimeline`;
 each process group has its own communication stream. A collective starts when the compute
@@ -123,16 +129,13 @@ class _Names:
 
 
 def _resolve(events: list) -> list[tuple[tuple, tuple]]:
-    """(input names, output names) of every op event (None for collectives)."""
+    """(input names, output names) of every event (a collective's outputs: a functional one's)."""
     names = _Names()
     resolved = []
     for event in events:
-        if isinstance(event, OpEvent):
-            ins = tuple(names.read(k) for k in event.in_keys)
-            outs = tuple(names.produce(k, event.in_keys) for k in event.out_keys)
-            resolved.append((ins, outs))
-        else:
-            resolved.append(None)
+        ins = tuple(names.read(k) for k in event.in_keys)
+        outs = tuple(names.produce(k, event.in_keys) for k in event.out_keys)
+        resolved.append((ins, outs))
     return resolved
 
 
@@ -177,15 +180,17 @@ def _fusible(event: OpEvent) -> bool:
     return event.view or op_category(event.name) in FUSIBLE_CATEGORIES
 
 
-def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -> fx.GraphModule:
-    """The FX graph of events[start:start+len(events)], with meta values, whose outputs are
-    the tensors read after it or mutated by it."""
+def _graph(indices: list[int], events: list, resolved: list, last_read: dict) -> tuple[fx.GraphModule, dict]:
+    """The FX graph of the op events at `indices` (in order), with meta values, whose outputs are
+    the tensors read after it or mutated by it; and each node's event index."""
     graph = fx.Graph()
     env: dict[tuple, fx.Node] = {}
     outputs: list[fx.Node] = []
-    end = start + len(events)
-    for offset, event in enumerate(events):
-        ins, outs = resolved[start + offset]
+    event_of: dict[str, int] = {}
+    end = indices[-1] + 1
+    for index in indices:
+        event = events[index]
+        ins, outs = resolved[index]
         by_key = dict(zip(event.in_keys, ins))
         sigs = dict(zip(event.in_keys, event.inputs))
 
@@ -202,6 +207,7 @@ def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -
 
         node = graph.call_function(event.func, pytree.tree_map(arg, event.args), pytree.tree_map(arg, event.kwargs))
         node.meta["val"] = event.out_meta
+        event_of[node.name] = index
         results = [node] if not isinstance(event.out_meta, (tuple, list)) else []
         if not results:
             for i, value in enumerate(event.out_meta):
@@ -215,7 +221,7 @@ def _graph(events: list[OpEvent], resolved: list, start: int, last_read: dict) -
             if (mutated or last_read.get(name, -1) >= end) and not event.view:
                 outputs.append(result)
     graph.output(tuple(outputs))
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return fx.GraphModule(torch.nn.Module(), graph), event_of
 
 
 def _fp8_kernel(kernel: KernelSpec) -> KernelSpec:
@@ -229,29 +235,39 @@ def _fp8_kernel(kernel: KernelSpec) -> KernelSpec:
     return dataclasses.replace(kernel, ops=ops)
 
 
-def _compiled_items(events: list[OpEvent], resolved: list, start: int, last_read: dict,
-                    target: Target, fp8: bool) -> list[Item]:
-    gm = _graph(events, resolved, start, last_read)
+def _compiled_items(indices: list[int], events: list, resolved: list, last_read: dict, target: Target, fp8: bool,
+                    collectives: list[tuple[int, Item]] = ()) -> list[Item]:
+    """The kernels the compiler makes of the op events at `indices`, each reading the storages
+    its own ops read; `collectives` (event index, item) traced into the same graph are issued
+    before the first kernel made only of later ops (and a kernel reading one's result waits)."""
+    gm, event_of = _graph(indices, events, resolved, last_read)
     placed = partition(gm, target)
     kernels = build_kernels(fuse(gm, placed, target), placed)
-    reads = tuple(k for e in events for k in e.reads)
+    pending = sorted(collectives, key=lambda c: c[0])
     items = []
     for kernel in kernels:
+        own = [event_of[n] for n in kernel.nodes if n in event_of]
+        while pending and own and pending[0][0] < min(own):
+            items.append(pending.pop(0)[1])
         if fp8:
             kernel = _fp8_kernel(kernel)
         cost = kernel_cost(kernel, {}, target)
-        items.append(Item(kernel.name.rsplit("_", 1)[0], cost, "compute", reads if not items else ()))
+        reads = tuple(k for i in own for k in events[i].reads)
+        items.append(Item(kernel.name.rsplit("_", 1)[0], cost, "compute", reads))
+    items.extend(c[1] for c in pending)
     return items
 
 
-def price(events: list, mode: str, target: Target, topology: Topology, fp8: bool = False) -> list[Item]:
+def price(events: list, mode: str, target: Target, topology: Topology, fp8: bool = False,
+          traced_collectives: bool = True) -> list[Item]:
     """The trace as priced work in `mode` ("eager", "adaptive", "compiled"); `fp8`: matmuls
-    take FP8 operands."""
-    return price_ranges(events, [(0, len(events))], mode, target, topology, fp8)[0]
+    take FP8 operands; `traced_collectives=False` ends a compiled graph at every collective
+    (what the planner did before; kept for comparison)."""
+    return price_ranges(events, [(0, len(events))], mode, target, topology, fp8, traced_collectives)[0]
 
 
 def price_ranges(events: list, ranges: list[tuple[int, int]], mode: str, target: Target, topology: Topology,
-                 fp8: bool = False) -> list[list[Item]]:
+                 fp8: bool = False, traced_collectives: bool = True) -> list[list[Item]]:
     """`price` of each events[start:end] of `ranges` (the actions of a pipeline schedule's run): a
     compiled graph never spans two ranges, and what a range produces for a later one (the
     activations a forward saves for its backward) is that graph's output, written to HBM."""
@@ -259,33 +275,37 @@ def price_ranges(events: list, ranges: list[tuple[int, int]], mode: str, target:
         raise ValueError(f"unknown execution mode {mode!r}; expected one of {', '.join(MODES)}")
     resolved = _resolve(events)
     last_read = _last_reads(resolved) if mode != "eager" else {}
-    return [_price_range(events, resolved, last_read, lo, hi, mode, target, topology, fp8) for lo, hi in ranges]
+    return [_price_range(events, resolved, last_read, lo, hi, mode, target, topology, fp8, traced_collectives)
+            for lo, hi in ranges]
 
 
 def _price_range(events: list, resolved: list, last_read: dict, lo: int, hi: int, mode: str, target: Target,
-                 topology: Topology, fp8: bool) -> list[Item]:
+                 topology: Topology, fp8: bool, traced_collectives: bool) -> list[Item]:
     items: list[Item] = []
-    run: list[OpEvent] = []
-    run_start = lo
+    run: list[int] = []                       # indices of the open run's op events
+    inside: list[tuple[int, Item]] = []       # functional collectives traced into the open graph
 
     def close_run() -> None:
-        nonlocal run
+        nonlocal run, inside
         if not run:
             return
-        computing = [e for e in run if not e.view]
+        computing = [i for i in run if not events[i].view]
         if mode == "adaptive" and len(computing) < MIN_OPS:
-            items.extend(_eager_item(e, target, fp8) for e in run)
+            items.extend(_eager_item(events[i], target, fp8) for i in run)
         else:
-            items.extend(_compiled_items(run, resolved, run_start, last_read, target, fp8))
-        run = []
+            items.extend(_compiled_items(run, events, resolved, last_read, target, fp8, inside))
+        run, inside = [], []
 
     for index in range(lo, hi):
         event = events[index]
         if isinstance(event, CollectiveEvent):
-            close_run()
             cost, algorithm = topology.collective(event.kind, event.nbytes, event.ranks)
-            items.append(Item(f"c10d::{event.kind}", cost, f"comm:{event.group}", event.reads, event.writes,
-                              algorithm))
+            item = Item(f"c10d::{event.kind}", cost, f"comm:{event.group}", event.reads, event.writes, algorithm)
+            if mode == "compiled" and traced_collectives and event.functional and run:
+                inside.append((index, item))
+                continue
+            close_run()
+            items.append(item)
             continue
         if mode == "eager":
             items.append(_eager_item(event, target, fp8))
@@ -294,9 +314,7 @@ def _price_range(events: list, resolved: list, last_read: dict, lo: int, hi: int
             close_run()
             items.append(_eager_item(event, target, fp8))
             continue
-        if not run:
-            run_start = index
-        run.append(event)
+        run.append(index)
     close_run()
     return items
 

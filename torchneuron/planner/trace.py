@@ -74,6 +74,9 @@ class CollectiveEvent:
     reads: tuple[int, ...]
     writes: tuple[int, ...]
     phase: str
+    functional: bool = False         # a functional collective (DTensor's): Dynamo traces it into a graph
+    in_keys: tuple[int, ...] = ()    # ids of the tensors it reads and (functional) produces, as OpEvent's
+    out_keys: tuple[int, ...] = ()
 
 
 @dataclass
@@ -262,7 +265,9 @@ class Tracer(TorchDispatchMode):
         self.events.append(CollectiveEvent(
             kind, nbytes, ranks, label,
             tuple(k for k in map(_storage_key, tensors_in) if k is not None),
-            tuple(k for k in map(_storage_key, writes) if k is not None), self.phase))
+            tuple(k for k in map(_storage_key, writes) if k is not None), self.phase,
+            func.namespace == "_c10d_functional", tuple(id(t) for t in tensors_in),
+            tuple(id(t) for t in tensors_out) if func.namespace == "_c10d_functional" else ()))
 
     def _group_ranks(self, group: Any) -> tuple[int, ...]:
         if group is None:
