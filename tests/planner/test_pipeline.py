@@ -72,3 +72,19 @@ def test_unknown_schedule_and_uneven_stages_name_the_fix(tiny_config):
         plan(tiny_config, {"pp": 2}, ranks=2, batch=2, seq=16, pp_schedule="zigzag")
     with pytest.raises(ValueError, match="do not split into"):
         plan(tiny_config, {"pp": 2}, ranks=2, batch=2, seq=16, pp_schedule="interleaved1f1b", virtual_stages=2)
+
+
+def test_interleaved_schedule_shrinks_the_bubble(tiny_config, tmp_path):
+    """Two stages per rank (Interleaved1F1B): each rank holds stages r and r + pp, and the bubble
+    is a smaller share of the step than 1F1B's over the same layers."""
+    import json
+
+    from tests.planner.conftest import TINY
+
+    path = tmp_path / "tiny-4-layers.json"
+    path.write_text(json.dumps(dict(TINY, num_hidden_layers=4)))
+    kwargs = dict(target="trn2", nodes=1, ranks=4, batch=8, seq=32)
+    plain = plan(str(path), {"pp": 2, "fsdp": 2}, pp_schedule="1f1b", **kwargs)
+    interleaved = plan(str(path), {"pp": 2, "fsdp": 2}, pp_schedule="interleaved1f1b", virtual_stages=2, **kwargs)
+    assert interleaved.spec.virtual_stages == 2
+    assert interleaved.bubble_s / interleaved.step_s < plain.bubble_s / plain.step_s

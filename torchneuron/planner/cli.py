@@ -1,7 +1,8 @@
 """plan a Trainium cluster training run from a model config, without the hardware
 
     torchneuron plan --model llama-8b.json --target trn2 --nodes 4 --tp 8 --fsdp 16 --pp 1 \\
-        --seq 8192 --global-batch 512 --dtype bf16 [--compile | --adaptive] [--fp8] [--checkpoint]
+        --seq 8192 --global-batch 512 --dtype bf16 [--compile | --adaptive] [--fp8] [--checkpoint] \\
+        [--pp-schedule gpipe|1f1b|interleaved1f1b --virtual-stages V]
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--fsdp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"),
+                        help="torch.distributed.pipelining schedule when --pp > 1")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank (interleaved1f1b)")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, default=512, help="sequences a step")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-batch")
@@ -37,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         report = plan(args.model, {"tp": args.tp, "fsdp": args.fsdp, "pp": args.pp}, target=args.target,
                       nodes=args.nodes, batch=args.global_batch, seq=args.seq, dtype=args.dtype, mode=mode,
                       fp8=args.fp8, checkpointing=args.checkpoint, lnc=args.lnc, micro_batch=args.micro_batch,
-                      sequence_parallel=not args.no_sequence_parallel, ranks=args.ranks)
+                      sequence_parallel=not args.no_sequence_parallel, ranks=args.ranks,
+                      pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages)
     except (ValueError, FileNotFoundError, TypeError) as error:
         print(f"torchneuron plan: {error}")
         return 2
