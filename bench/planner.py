@@ -7,7 +7,10 @@ plan of the same model (what planning a bigger cluster costs), and the plans' ow
 tokens/s, MFU and the scaling efficiency against 1 node (tokens/s per node over the 1-node tokens/s).
 The configs are the public architecture numbers of Llama 3.1 (no hub access).
 
-    python bench/planner.py [--nodes 1 4 32] [--models 8b 70b] [--mode eager]
+    python bench/planner.py [--nodes 1 4 32] [--models 8b 70b] [--mode eager] [--pp 4 --pp-schedule 1f1b]
+
+With --pp the FSDP degree shrinks to make room for the pipeline (tp x pp x fsdp ranks a replica);
+the pipeline columns show the bubble share of the step.
 """
 from __future__ import annotations
 
@@ -32,10 +35,10 @@ TP = {"8b": 4, "70b": 8}          # one chip (LNC=2: 4 logical cores), two chips
 MAX_FSDP = 64
 
 
-def mesh_for(model: str, ranks: int) -> dict[str, int]:
+def mesh_for(model: str, ranks: int, pp: int = 1) -> dict[str, int]:
     tp = TP[model]
-    fsdp = min(MAX_FSDP, ranks // tp)
-    return {"tp": tp, "fsdp": fsdp}
+    fsdp = min(MAX_FSDP, ranks // (tp * pp))
+    return {"tp": tp, "fsdp": fsdp, "pp": pp}
 
 
 def main() -> int:
@@ -45,28 +48,31 @@ def main() -> int:
     parser.add_argument("--mode", default="eager", choices=("eager", "adaptive", "compiled"))
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--pp-schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved1f1b"))
     args = parser.parse_args()
 
     from torchneuron.planner import plan
 
     print(describe())
     print(f"{'model':<6} {'nodes':>5} {'mesh':<22} {'plan s':>7} {'x 1-node':>8} {'step s':>8} {'tokens/s':>12} "
-          f"{'MFU':>6} {'scaling':>8} {'memory':>9} {'fits':>5}")
+          f"{'MFU':>6} {'scaling':>8} {'memory':>9} {'fits':>5} {'bubble':>7}")
     for model in args.models:
         base_time = base_tps = None
         for nodes in args.nodes:
-            mesh = mesh_for(model, nodes * 64)
+            mesh = mesh_for(model, nodes * 64, args.pp)
             started = time.perf_counter()
             report = plan(LLAMA_3_1[model], mesh, target="trn2", nodes=nodes, batch=args.global_batch, seq=args.seq,
-                          mode=args.mode, checkpointing=True)
+                          mode=args.mode, checkpointing=True, pp_schedule=args.pp_schedule)
             elapsed = time.perf_counter() - started
             base_time = base_time or elapsed
             base_tps = base_tps or report.tokens_per_s
             scaling = report.tokens_per_s / (base_tps * nodes / args.nodes[0])
-            dims = f"tp{mesh['tp']} fsdp{mesh['fsdp']} dp{report.spec.dp}"
+            dims = f"tp{mesh['tp']} fsdp{mesh['fsdp']} dp{report.spec.dp}" + (f" pp{args.pp}" if args.pp > 1 else "")
             print(f"{model:<6} {nodes:>5} {dims:<22} {elapsed:>7.1f} {elapsed / base_time:>8.2f} "
                   f"{report.step_s:>8.3f} {report.tokens_per_s:>12,.0f} {100 * report.mfu:>5.1f}% "
-                  f"{100 * scaling:>7.1f}% {report.memory.total / 2**30:>7.2f}G {str(report.memory.fits):>5}",
+                  f"{100 * scaling:>7.1f}% {report.memory.total / 2**30:>7.2f}G {str(report.memory.fits):>5} "
+                  f"{100 * report.bubble_s / report.step_s:>6.1f}%",
                   flush=True)
     return 0
 

@@ -15,7 +15,7 @@ def test_planned_step_matches_the_real_run(mesh):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_planned_pipeline_matches_the_real_run(schedule):
     """Two stages of torch.distributed.pipelining over four micro-batches: the plan's replay of the
     schedule against the real backend, where the second stage waits for the first's activations."""
