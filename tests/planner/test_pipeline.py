@@ -88,3 +88,9 @@ def test_interleaved_schedule_shrinks_the_bubble(tiny_config, tmp_path):
     interleaved = plan(str(path), {"pp": 2, "fsdp": 2}, pp_schedule="interleaved1f1b", virtual_stages=2, **kwargs)
     assert interleaved.spec.virtual_stages == 2
     assert interleaved.bubble_s / interleaved.step_s < plain.bubble_s / plain.step_s
+
+
+def test_pipeline_with_tensor_parallel_stages(tiny_config):
+    report = plan(tiny_config, {"pp": 2, "tp": 2}, target="trn2", nodes=1, ranks=4, batch=4, seq=32)
+    assert report.bubble_s > 0 and report.p2p_s > 0
+    assert "collectives on tp" in str(report) and "with tp > 1 only it" in str(report)

@@ -206,7 +206,11 @@ def _pipeline(setup: StepSetup, mode: str, topology: Topology, micro_batches: in
     sends: dict[str, int] = {}
     memories: list[dict[str, float]] = []
     traces = []
-    for pp_rank in sorted({0, spec.pp - 1}):
+    # With tensor parallelism only the first stage's rank is traced: in a second simulated world
+    # DTensor's redistribution still names a process group of the first (name "11" vs the new
+    # world's "12"; clearing DTensor's functools caches does not help), so the last stage costs
+    # what the first does there (the report says so).
+    for pp_rank in sorted({0, spec.pp - 1} if spec.tp == 1 else {0}):
         with simulated_world(topology.world_size, pp_rank * stride):
             trace = trace_step(setup)
         run = trace.pipeline
@@ -224,6 +228,7 @@ def _pipeline(setup: StepSetup, mode: str, topology: Topology, micro_batches: in
         memories.append(items)
         traces.append(trace)
     run = traces[0].pipeline
+    sends.setdefault("B", sends.get("F", 0))   # a stage's input gradient has its input's shape
     costs = StageCosts(actions, tail, sends, run.micro_batches)
 
     def send_cost(kind: str, source: int, dest: int):
