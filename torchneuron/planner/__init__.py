@@ -2,7 +2,7 @@
 
 The layer above distributed/ and compiler/ (and below cli): the real model code and PyTorch's
 real parallelism (FSDP2, tensor and sequence parallelism, activation checkpointing, ZeRO-1 data
-parallelism) run for one rank on fake tensors in a simulated world; the device work they issue
+parallelism, pipeline stages under a torch.distributed.pipelining schedule) run for one rank on fake tensors in a simulated world; the device work they issue
 is priced by the hardware performance model, in the execution mode asked for, and replayed
 with communication overlapping compute on a device timeline.
 
@@ -12,6 +12,7 @@ with communication overlapping compute on a device timeline.
 Modules: cluster (instances, logical cores, assumptions), topology (rank placement,
 collective pricing), world (the simulated process group), build (fake full-size models,
 parallelisation, ZeRO-1), trace (recording one rank's work), step (the traced training step),
+pipeline (torch.distributed.pipelining stages and schedules, the replay of every pipeline rank),
 simulate (pricing per mode, replay), memory (the memory plan), training (`plan`), inference
 (`plan_inference`), report (the report objects), cli (`torchneuron plan`).
 """

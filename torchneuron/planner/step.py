@@ -5,7 +5,9 @@ one untraced warm-up step (FSDP's lazy initialisation, the optimizer's states, D
 sharding caches), then traces one micro-batch (forward and backward; FSDP reduce-scatters its
 gradients every micro-batch, as torchtitan does) and the optimizer step (with ZeRO-1's
 collectives when data parallelism shards it). Every micro-batch of a step does the same work,
-so the planner replays the traced one `micro_batches` times.
+so the planner replays the traced one `micro_batches` times. With pipeline parallelism the
+traced "micro-batch" is instead one step of the rank's pipeline schedule (pipeline.StageRun: the
+rank's stages, a few micro-batches, every action marked), which the planner replays per rank.
 
 A transformers decoder runs through its own modules (embeddings, rotary tables, decoder layers,
 norm, output layer) with a causal mask and the full sequence's positions, so that sequence
