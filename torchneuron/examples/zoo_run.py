@@ -8,8 +8,6 @@ families with their modeled trn2 step time and MFU (`families_table`).
 """
 from __future__ import annotations
 
-import math
-
 import argparse
 import contextlib
 import math
@@ -183,7 +181,7 @@ def families_table(names: tuple[str, ...] | None = None) -> str:
             params = sum(p.numel() for p in model.parameters())
             report = modeled_steps(model, spec, targets=("trn2",))
             lines.append(f"| {family} | {spec.name} | {params / 1e3:.0f}K | {report.tokens} | "
-                         f"{report.modeled_s['trn2'] * 1e3:.3f} ms | {report.mfu['trn2'] * 100:.2f}% |")
+                         f"{report.modeled_s['trn2'] * 1e3:.3f} ms | {report.mfu['trn2'] * 100:.3g}% |")
     return "\n".join(lines)
 
 
