@@ -86,3 +86,59 @@ def test_float8_dynamic_quantization_is_accepted_on_neuron(granularity):
     assert type(weight).__name__ == "Float8Tensor" and weight.qdata.dtype == torch.float8_e4m3fn
     tokens = generate(on_neuron, "neuron")
     assert torch.equal(tokens, generate(copy.deepcopy(on_neuron), "cpu"))  # the same quantized model on CPU
+
+
+class _CpuInt4Linear(torch.nn.Module):
+    """A linear layer quantized as torchao's Int4WeightOnlyConfig(tile_packed_to_4d) quantizes it
+    (tinygemm's asymmetric qparams, K padded to 1024, N to 8), run by the CPU's own int4 kernel
+    (`_weight_int4pack_mm_for_cpu`): the same quantized model, on the CPU."""
+
+    def __init__(self, linear: torch.nn.Linear, group: int):
+        from torchao.quantization.quant_primitives import (MappingType, _choose_qparams_affine_tinygemm,
+                                                           _quantize_affine_tinygemm)
+        from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+        super().__init__()
+        w = linear.weight.detach()
+        self.n, self.k, self.group, self.bias = w.shape[0], w.shape[1], group, linear.bias
+        padded = torch.nn.functional.pad(w, (0, -self.k % 1024, 0, -self.n % 8))
+        block = (1, group)
+        scale, zero = _choose_qparams_affine_tinygemm(padded, MappingType.ASYMMETRIC, block, torch.int32, 0, 15,
+                                                      scale_dtype=w.dtype, zero_point_dtype=w.dtype)
+        values = _quantize_affine_tinygemm(padded, list(block), scale, zero, torch.int32, 0, 15)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 8)
+        rows = values.shape[0]
+        self.scale_and_zero = pack_tinygemm_scales_and_zeros(scale.reshape(rows, -1), zero.reshape(rows, -1), w.dtype)
+
+    def forward(self, x):
+        flat = torch.nn.functional.pad(x.reshape(-1, self.k).bfloat16(), (0, -self.k % 1024))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scale_and_zero)
+        y = y[:, :self.n].reshape(*x.shape[:-1], self.n)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+def _int4_on_cpu(model, group):
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, _CpuInt4Linear(child, group))
+    return model
+
+
+def test_int4_weight_only_config_generates_the_cpu_int4_kernels_tokens():
+    """Int4WeightOnlyConfig (tinygemm's tile_packed_to_4d format): quantized on neuron, whose
+    `_weight_int4pack_mm` runs, generating what the same int4 weights give on the CPU's int4
+    kernel; the CPU itself cannot run this config (torchao asks for a CUDA GPU)."""
+    config = q.Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d")
+    model = tiny_llama(torch.bfloat16).eval()
+    on_cpu = _int4_on_cpu(copy.deepcopy(model), 32)
+    on_neuron = model.to("neuron")
+    quantize_(on_neuron, config)
+    weight = on_neuron.model.layers[0].mlp.up_proj.weight
+    assert type(weight).__name__ == "Int4TilePackedTo4dTensor" and weight.qdata.device.type == "neuron"
+    assert torch.equal(generate(on_neuron, "neuron"), generate(on_cpu, "cpu"))
+
+
+def test_int4_weight_only_config_formats_without_a_neuron_kernel_name_the_one_that_works():
+    model = tiny_llama(torch.bfloat16).eval().to("neuron")
+    with pytest.raises(ValueError, match="int4_packing_format='tile_packed_to_4d'"):
+        quantize_(model, q.Int4WeightOnlyConfig(group_size=32))  # torchao's default: plain (mslk, CUDA)

@@ -357,6 +357,26 @@ def _grouped_matmul_work(target: Target, name: str, ins: Sequence[TensorSig],
     return work
 
 
+# Assumption: dequantizing one int4 weight element on Vector takes 3 passes (unpack the nibble:
+# shift and mask; then (q - 8) * scale + zero as one fused multiply-add).
+INT4_DEQUANT_PASSES = 3
+
+
+def _int4_matmul_work(target: Target, name: str, ins: Sequence[TensorSig],
+                      outs: Sequence[TensorSig]) -> _Work | None:
+    """`_weight_int4pack_mm`: x [M, K] @ W^T with W [N, K] packed as int4 (tinygemm). The packed
+    weight streams from HBM at half a byte an element, Vector dequantizes each weight tile to
+    BF16 in SBUF once, the Tensor engine multiplies at the BF16 rate."""
+    if len(ins) < 3 or len(ins[0][1]) != 2 or len(ins[1][1]) != 4:
+        return None
+    (dtype, (m, k)), (_, packed) = ins[0], ins[1]
+    n = packed[0] * 8
+    work = _gemm(target, dtype, batch=1, m=m, n=n, k=k, a_bytes=_nbytes(ins[0]), b_bytes=_nbytes(ins[1]),
+                 other_bytes=_total_bytes(ins[2:]) + _total_bytes(outs))
+    work.engine_s["vector"] += _engine_passes(target, "vector", n * k, INT4_DEQUANT_PASSES)
+    return work
+
+
 def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
     """`histc`, `bincount` over E elements into B bins. Few bins (B <= psum_fmax, e.g. a router's
     experts): each element's bin index on Vector, compared against all B bins and summed down
@@ -404,7 +424,7 @@ def _fp64_emulated_cost(target: Target, op: str, ins: Sequence[TensorSig], outs:
 _SPECIAL_WORK: dict[str, Callable[..., _Work | None]] = {
     "_scaled_mm": _scaled_matmul_work, "_scaled_mm_v2": _scaled_matmul_work,
     "_grouped_mm": _grouped_matmul_work, "_scaled_grouped_mm": _grouped_matmul_work,
-    "_scaled_grouped_mm_v2": _grouped_matmul_work,
+    "_scaled_grouped_mm_v2": _grouped_matmul_work, "_weight_int4pack_mm": _int4_matmul_work,
     "histc": _histogram_work, "bincount": _histogram_work,
 }
 
