@@ -142,3 +142,20 @@ def test_int4_weight_only_config_formats_without_a_neuron_kernel_name_the_one_th
     model = tiny_llama(torch.bfloat16).eval().to("neuron")
     with pytest.raises(ValueError, match="int4_packing_format='tile_packed_to_4d'"):
         quantize_(model, q.Int4WeightOnlyConfig(group_size=32))  # torchao's default: plain (mslk, CUDA)
+
+
+def test_compiled_float8_training_stays_on_device_in_strict_mode():
+    """torch.compile(backend="neuron") places torchao's float64 scale math (casts to float64,
+    clamp, reciprocal, mul) on the device, as eager mode does: strict mode compiles it."""
+    model = tiny_llama()
+    eager = train(copy.deepcopy(model), "neuron", "tensorwise")
+    convert_to_float8_training(model.to("neuron"), config=Float8LinearConfig(), module_filter_fn=_fp8_linears)
+    model.forward = torch.compile(model.forward, backend="neuron")
+    torchneuron.reset_fallback_counts()
+    torchneuron.set_strict(True)
+    try:
+        compiled = train_losses(model, "neuron", vocab=VOCAB)
+    finally:
+        torchneuron.set_strict(False)
+    assert torchneuron.fallback_counts() == {}
+    assert compiled == pytest.approx(eager, rel=1e-3)
