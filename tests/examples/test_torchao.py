@@ -159,3 +159,39 @@ def test_compiled_float8_training_stays_on_device_in_strict_mode():
         torchneuron.set_strict(False)
     assert torchneuron.fallback_counts() == {}
     assert compiled == pytest.approx(eager, rel=1e-3)
+
+
+def test_mxfp8_training_matmul_runs_the_mx_gemm_on_neuron():
+    """torchao's MXFP8 linear autograd function (`mx_mm`) with its torch-native cast kernels: on
+    neuron the GEMMs are real MXFP8 `_scaled_mm`s (e8m0 scales, 32_4_4-swizzled), close to
+    torchao's emulated recipe on the CPU and charged at trn3's MXFP8 rate. (The config's AUTO
+    preference hard-codes Triton and CUDA cast kernels, which no CPU-only build has.)"""
+    from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+    from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from torchneuron.hardware import estimate
+
+    e4m3 = torch.float8_e4m3fn
+
+    def run(device, preference):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 512, generator=g).bfloat16().to(device).requires_grad_()
+        w = (torch.randn(1024, 512, generator=g) * 0.05).bfloat16().to(device).requires_grad_()
+        y = mx_mm.apply(x, w, e4m3, e4m3, e4m3, 32, preference, MXFP8Dim0CastKernelChoice.TORCH,
+                        MXFP8Dim1CastKernelChoice.TORCH, ScaleCalculationMode.RCEIL, False)
+        y.float().pow(2).mean().backward()
+        return [t.cpu().float() for t in (y, x.grad, w.grad)]
+
+    expected = run("cpu", KernelPreference.EMULATED)
+    tensor_s = {}
+    for target in ("trn2", "trn3"):
+        with estimate(target) as e:
+            actual = run("neuron", KernelPreference.AUTO)
+        (row,) = [r for r in e.per_op if r.name == "aten::_scaled_mm"]
+        assert row.count == 3  # forward, grad input, grad weight
+        tensor_s[target] = row.time_s
+    for a, b in zip(actual, expected):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    assert tensor_s["trn3"] < tensor_s["trn2"] / 1.8  # 315 MXFP8 TFLOPS a core vs trn2's 158 FP8
