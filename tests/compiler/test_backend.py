@@ -280,3 +280,26 @@ def test_disk_cache_serves_a_second_process(tmp_path):
     assert kernels1 == kernels2 and "fused" in kernels2  # the reloaded program still charges its kernels
     assert counts1.split() == ["0", "1", "0"], counts1    # compiled, saved
     assert counts2.split() == ["1", "0", "1"], counts2    # reloaded: no tracing of autograd, no codegen
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_float64_scale_math_and_float8_casts_compile_on_device_in_strict_mode(target):
+    """The compiler places ops by eager mode's rules: float64 elementwise arithmetic and casts
+    are emulated on the device, FP8 types a generation lacks are cFP8 (trn1's e5m2)."""
+    from torchneuron.hardware.targets import get_target, set_target
+
+    def scale_cast(x):
+        amax = x.abs().amax().to(torch.float64)
+        scale = (448.0 / torch.clamp(amax, min=1e-12)).to(torch.float32)
+        return (x * scale).clamp(-448.0, 448.0).to(torch.float8_e5m2).float() / scale
+
+    x = torch.randn(16, 32)
+    previous = get_target().name
+    set_target(target)
+    torchneuron.set_strict(True)
+    try:
+        out = torch.compile(scale_cast, backend="neuron")(x.to("neuron"))
+    finally:
+        torchneuron.set_strict(False)
+        set_target(previous)
+    torch.testing.assert_close(out.cpu(), scale_cast(x), rtol=0, atol=0)

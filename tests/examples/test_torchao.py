@@ -86,3 +86,112 @@ def test_float8_dynamic_quantization_is_accepted_on_neuron(granularity):
     assert type(weight).__name__ == "Float8Tensor" and weight.qdata.dtype == torch.float8_e4m3fn
     tokens = generate(on_neuron, "neuron")
     assert torch.equal(tokens, generate(copy.deepcopy(on_neuron), "cpu"))  # the same quantized model on CPU
+
+
+class _CpuInt4Linear(torch.nn.Module):
+    """A linear layer quantized as torchao's Int4WeightOnlyConfig(tile_packed_to_4d) quantizes it
+    (tinygemm's asymmetric qparams, K padded to 1024, N to 8), run by the CPU's own int4 kernel
+    (`_weight_int4pack_mm_for_cpu`): the same quantized model, on the CPU."""
+
+    def __init__(self, linear: torch.nn.Linear, group: int):
+        from torchao.quantization.quant_primitives import (MappingType, _choose_qparams_affine_tinygemm,
+                                                           _quantize_affine_tinygemm)
+        from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+        super().__init__()
+        w = linear.weight.detach()
+        self.n, self.k, self.group, self.bias = w.shape[0], w.shape[1], group, linear.bias
+        padded = torch.nn.functional.pad(w, (0, -self.k % 1024, 0, -self.n % 8))
+        block = (1, group)
+        scale, zero = _choose_qparams_affine_tinygemm(padded, MappingType.ASYMMETRIC, block, torch.int32, 0, 15,
+                                                      scale_dtype=w.dtype, zero_point_dtype=w.dtype)
+        values = _quantize_affine_tinygemm(padded, list(block), scale, zero, torch.int32, 0, 15)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 8)
+        rows = values.shape[0]
+        self.scale_and_zero = pack_tinygemm_scales_and_zeros(scale.reshape(rows, -1), zero.reshape(rows, -1), w.dtype)
+
+    def forward(self, x):
+        flat = torch.nn.functional.pad(x.reshape(-1, self.k).bfloat16(), (0, -self.k % 1024))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scale_and_zero)
+        y = y[:, :self.n].reshape(*x.shape[:-1], self.n)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+def _int4_on_cpu(model, group):
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, _CpuInt4Linear(child, group))
+    return model
+
+
+def test_int4_weight_only_config_generates_the_cpu_int4_kernels_tokens():
+    """Int4WeightOnlyConfig (tinygemm's tile_packed_to_4d format): quantized on neuron, whose
+    `_weight_int4pack_mm` runs, generating what the same int4 weights give on the CPU's int4
+    kernel; the CPU itself cannot run this config (torchao asks for a CUDA GPU)."""
+    config = q.Int4WeightOnlyConfig(group_size=32, int4_packing_format="tile_packed_to_4d")
+    model = tiny_llama(torch.bfloat16).eval()
+    on_cpu = _int4_on_cpu(copy.deepcopy(model), 32)
+    on_neuron = model.to("neuron")
+    quantize_(on_neuron, config)
+    weight = on_neuron.model.layers[0].mlp.up_proj.weight
+    assert type(weight).__name__ == "Int4TilePackedTo4dTensor" and weight.qdata.device.type == "neuron"
+    assert torch.equal(generate(on_neuron, "neuron"), generate(on_cpu, "cpu"))
+
+
+def test_int4_weight_only_config_formats_without_a_neuron_kernel_name_the_one_that_works():
+    model = tiny_llama(torch.bfloat16).eval().to("neuron")
+    with pytest.raises(ValueError, match="int4_packing_format='tile_packed_to_4d'"):
+        quantize_(model, q.Int4WeightOnlyConfig(group_size=32))  # torchao's default: plain (mslk, CUDA)
+
+
+def test_compiled_float8_training_stays_on_device_in_strict_mode():
+    """torch.compile(backend="neuron") places torchao's float64 scale math (casts to float64,
+    clamp, reciprocal, mul) on the device, as eager mode does: strict mode compiles it."""
+    model = tiny_llama()
+    eager = train(copy.deepcopy(model), "neuron", "tensorwise")
+    convert_to_float8_training(model.to("neuron"), config=Float8LinearConfig(), module_filter_fn=_fp8_linears)
+    model.forward = torch.compile(model.forward, backend="neuron")
+    torchneuron.reset_fallback_counts()
+    torchneuron.set_strict(True)
+    try:
+        compiled = train_losses(model, "neuron", vocab=VOCAB)
+    finally:
+        torchneuron.set_strict(False)
+    assert torchneuron.fallback_counts() == {}
+    assert compiled == pytest.approx(eager, rel=1e-3)
+
+
+def test_mxfp8_training_matmul_runs_the_mx_gemm_on_neuron():
+    """torchao's MXFP8 linear autograd function (`mx_mm`) with its torch-native cast kernels: on
+    neuron the GEMMs are real MXFP8 `_scaled_mm`s (e8m0 scales, 32_4_4-swizzled), close to
+    torchao's emulated recipe on the CPU and charged at trn3's MXFP8 rate. (The config's AUTO
+    preference hard-codes Triton and CUDA cast kernels, which no CPU-only build has.)"""
+    from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+    from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from torchneuron.hardware import estimate
+
+    e4m3 = torch.float8_e4m3fn
+
+    def run(device, preference):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 512, generator=g).bfloat16().to(device).requires_grad_()
+        w = (torch.randn(1024, 512, generator=g) * 0.05).bfloat16().to(device).requires_grad_()
+        y = mx_mm.apply(x, w, e4m3, e4m3, e4m3, 32, preference, MXFP8Dim0CastKernelChoice.TORCH,
+                        MXFP8Dim1CastKernelChoice.TORCH, ScaleCalculationMode.RCEIL, False)
+        y.float().pow(2).mean().backward()
+        return [t.cpu().float() for t in (y, x.grad, w.grad)]
+
+    expected = run("cpu", KernelPreference.EMULATED)
+    tensor_s = {}
+    for target in ("trn2", "trn3"):
+        with estimate(target) as e:
+            actual = run("neuron", KernelPreference.AUTO)
+        (row,) = [r for r in e.per_op if r.name == "aten::_scaled_mm"]
+        assert row.count == 3  # forward, grad input, grad weight
+        tensor_s[target] = row.time_s
+    for a, b in zip(actual, expected):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    assert tensor_s["trn3"] < tensor_s["trn2"] / 1.8  # 315 MXFP8 TFLOPS a core vs trn2's 158 FP8

@@ -23,6 +23,7 @@ from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_leaves
 
 from torchneuron.compiler.errors import NeuronCompileError
+from torchneuron.hardware.model import runs_on_host
 from torchneuron.hardware.taxonomy import op_category
 from torchneuron.hardware.targets import Target, get_target
 from torchneuron.ops import policy
@@ -90,12 +91,16 @@ class Partition:
 
 
 def _fallback_reason(node: Node, tensors: list[torch.Tensor], target: Target) -> str | None:
+    """Why a node is a host op, by eager mode's rules: no NeuronCore implementation, or a dtype
+    the device has no type for (float64, complex) in an op that neither moves data nor is the
+    float64 arithmetic the engines emulate (`hardware.model.runs_on_host`)."""
     name = op_name(node)
     if isinstance(node.target, torch._ops.OpOverload) and not policy.runs_natively(name):
         return "the NeuronCore has no implementation of this op"
-    for tensor in tensors:
-        if tensor.device.type == "neuron" and not target.supports(tensor.dtype):
-            return f"{target.name} has no {str(tensor.dtype).removeprefix('torch.')} hardware type"
+    sigs = [(t.dtype, tuple(t.shape)) for t in tensors if t.device.type == "neuron"]
+    if runs_on_host(name, sigs, target):
+        missing = sorted({str(d).removeprefix("torch.") for d, _ in sigs if runs_on_host(name, [(d, ())], target)})
+        return f"{target.name} has no {', '.join(missing) or 'such'} hardware type for this op"
     return None
 
 

@@ -357,6 +357,26 @@ def _grouped_matmul_work(target: Target, name: str, ins: Sequence[TensorSig],
     return work
 
 
+# Assumption: dequantizing one int4 weight element on Vector takes 3 passes (unpack the nibble:
+# shift and mask; then (q - 8) * scale + zero as one fused multiply-add).
+INT4_DEQUANT_PASSES = 3
+
+
+def _int4_matmul_work(target: Target, name: str, ins: Sequence[TensorSig],
+                      outs: Sequence[TensorSig]) -> _Work | None:
+    """`_weight_int4pack_mm`: x [M, K] @ W^T with W [N, K] packed as int4 (tinygemm). The packed
+    weight streams from HBM at half a byte an element, Vector dequantizes each weight tile to
+    BF16 in SBUF once, the Tensor engine multiplies at the BF16 rate."""
+    if len(ins) < 3 or len(ins[0][1]) != 2 or len(ins[1][1]) != 4:
+        return None
+    (dtype, (m, k)), (_, packed) = ins[0], ins[1]
+    n = packed[0] * 8
+    work = _gemm(target, dtype, batch=1, m=m, n=n, k=k, a_bytes=_nbytes(ins[0]), b_bytes=_nbytes(ins[1]),
+                 other_bytes=_total_bytes(ins[2:]) + _total_bytes(outs))
+    work.engine_s["vector"] += _engine_passes(target, "vector", n * k, INT4_DEQUANT_PASSES)
+    return work
+
+
 def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
     """`histc`, `bincount` over E elements into B bins. Few bins (B <= psum_fmax, e.g. a router's
     experts): each element's bin index on Vector, compared against all B bins and summed down
@@ -381,21 +401,36 @@ def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: S
 FP64_EMULATED_OPS = frozenset(split_names(
     "add sub rsub mul div reciprocal neg abs clamp clamp_min clamp_max maximum minimum where",
     "eq ne lt le gt ge sign floor ceil trunc round amax amin masked_fill"))
+# Ops that only move or re-encode data (copies, fills, concatenation, dtype casts): any dtype,
+# float64 and complex too, is device data for them (the runtime's DATA_MOVEMENT policy).
+DATA_MOVEMENT_OPS = frozenset(split_names(
+    "_local_scalar_dense clone _to_copy copy empty_like cat stack fill zero contiguous convert_element_type"))
 # Assumption: ~40 integer instructions an element (a softfloat add/mul with 32-bit limbs);
-# division and reciprocal iterate Newton steps on the mantissa, about twice that.
+# division and reciprocal iterate Newton steps on the mantissa, about twice that. A cast to or
+# from float64 re-biases the exponent and shifts the mantissa across two 32-bit words (~8); a
+# float64 copy moves bytes (1 pass).
 FP64_EMULATION_PASSES = 40
 FP64_DIVISION_PASSES = 80
+FP64_CAST_PASSES = 8
 
 
 def _fp64_emulated(op: str, sigs: Sequence[TensorSig]) -> bool:
-    return (base_name(op) in FP64_EMULATED_OPS and any(dtype == torch.float64 for dtype, _ in sigs)
+    name = base_name(op)
+    return ((name in FP64_EMULATED_OPS or name in DATA_MOVEMENT_OPS)
+            and any(dtype == torch.float64 for dtype, _ in sigs)
             and not any(dtype.is_complex for dtype, _ in sigs))
 
 
+def _fp64_passes(op: str, sigs: Sequence[TensorSig]) -> int:
+    name = base_name(op)
+    if name in DATA_MOVEMENT_OPS:
+        return FP64_CAST_PASSES if len({dtype for dtype, _ in sigs}) > 1 else 1
+    return FP64_DIVISION_PASSES if name in ("div", "reciprocal") else FP64_EMULATION_PASSES
+
+
 def _fp64_emulated_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
-    passes = FP64_DIVISION_PASSES if base_name(op) in ("div", "reciprocal") else FP64_EMULATION_PASSES
     elements = max(_elements(outs), _elements(ins))
-    work = _Work({"vector": _engine_passes(target, "vector", elements, passes)},
+    work = _Work({"vector": _engine_passes(target, "vector", elements, _fp64_passes(op, ins + outs))},
                  _total_bytes(ins) + _total_bytes(outs), float(elements))
     return _finish(target, work)
 
@@ -404,7 +439,7 @@ def _fp64_emulated_cost(target: Target, op: str, ins: Sequence[TensorSig], outs:
 _SPECIAL_WORK: dict[str, Callable[..., _Work | None]] = {
     "_scaled_mm": _scaled_matmul_work, "_scaled_mm_v2": _scaled_matmul_work,
     "_grouped_mm": _grouped_matmul_work, "_scaled_grouped_mm": _grouped_matmul_work,
-    "_scaled_grouped_mm_v2": _grouped_matmul_work,
+    "_scaled_grouped_mm_v2": _grouped_matmul_work, "_weight_int4pack_mm": _int4_matmul_work,
     "histc": _histogram_work, "bincount": _histogram_work,
 }
 
@@ -864,6 +899,13 @@ _CACHE_LIMIT = 1 << 16
 def _runs_on_host(target: Target, sigs: Sequence[TensorSig]) -> bool:
     """FP8 data a target lacks is still device data: modeled as cFP8 (`_fp8_rate_dtype`)."""
     return any(not target.supports(dtype) and dtype not in _FP8_TYPES + _SCALE_TYPES for dtype, _ in sigs)
+
+
+def runs_on_host(op: str, sigs: Sequence[TensorSig], target: Target | None = None) -> bool:
+    """Whether an op with these (dtype, shape) operands is a host fallback for its dtypes: a dtype
+    the NeuronCore has no type for (float64, complex) that is neither emulated float64 arithmetic
+    nor data movement. FP8 types a generation lacks run as cFP8 (trn1's e5m2)."""
+    return not _fp64_emulated(op, sigs) and _runs_on_host(target or get_target(), sigs)
 
 
 def op_cost(op: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig],

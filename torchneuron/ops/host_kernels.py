@@ -21,7 +21,7 @@ from torchneuron.hardware.model import TensorSig, launch_cost, op_cost
 from torchneuron.hardware.worklog import charge
 from torchneuron.runtime import _C, host_view
 
-__all__ = ["device_kernel", "register"]
+__all__ = ["check_on_meta", "device_kernel", "register"]
 
 
 def _neuron(x: Any) -> bool:
@@ -42,6 +42,19 @@ def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
 
 def _sig(t: torch.Tensor) -> TensorSig:
     return t.dtype, tuple(t.shape)
+
+
+def _meta(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def check_on_meta(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> None:
+    """Runs `op`'s meta function on meta copies of the arguments, which raises PyTorch's own
+    error for a bad signature (the checks CUDA's kernel makes)."""
+    meta = [[_meta(x) for x in a] if isinstance(a, (list, tuple)) else _meta(a) for a in args]
+    op(*meta, **{k: _meta(v) for k, v in kwargs.items()})
 
 
 def device_kernel(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from torchneuron.hardware.model import FP64_EMULATED_OPS
+from torchneuron.hardware.model import DATA_MOVEMENT_OPS as _MOVEMENT, FP64_EMULATED_OPS
 from torchneuron.runtime import _C
 from torchneuron.runtime.extension import runtime_ops
 
@@ -50,10 +50,7 @@ MIXED_DEVICE_OPS = frozenset({
 })
 
 
-DATA_MOVEMENT_OPS = frozenset({
-    "aten::_local_scalar_dense", "aten::clone", "aten::_to_copy", "aten::copy_", "aten::empty_like",
-    "aten::cat", "aten::stack", "aten::fill_", "aten::zero_", "aten::contiguous",
-})
+DATA_MOVEMENT_OPS = frozenset(f"aten::{name}{suffix}" for name in _MOVEMENT for suffix in ("", "_"))
 
 
 def fallback_policy(name: str) -> int:

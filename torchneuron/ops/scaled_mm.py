@@ -8,9 +8,10 @@ float32, block scales expanded over the elements they scale, one float32 matmul,
 
 - `_grouped_mm`: the CPU's own (composite) kernel, run as one device op, so the performance
   model charges one grouped matmul on the Tensor engine instead of a host loop of launches.
-- `_scaled_grouped_mm` (no CPU kernel): row-wise float32 scales for the four layouts PyTorch
-  documents (2d x 3d forward, 3d x 3d, 3d x 2d, 2d x 2d with groups along K for weight
-  gradients); `offs[i]` ends group i.
+- `_scaled_grouped_mm` and `_scaled_grouped_mm_v2` (`F.scaled_grouped_mm`; no CPU kernels):
+  row-wise float32 scales or MXFP8 (1x32 blocks of float8_e8m0fnu scales, 32_4_4-swizzled per
+  group) for the four layouts PyTorch documents (2d x 3d forward, 3d x 3d, 3d x 2d, 2d x 2d with
+  groups along K for weight gradients); `offs[i]` ends group i.
 - `_scaled_mm` / `_scaled_mm_v2` with block scales (1x128 and 128x128, and MX: 1x32 blocks of
   float8_e8m0fnu scales in the 32_4_4 swizzled layout): tensor-wise and row-wise recipes stay
   with the CPU kernel.
@@ -25,22 +26,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .host_kernels import device_kernel, register
+from .host_kernels import check_on_meta, device_kernel, register
 
 _BLOCK_RECIPES = {F.ScalingType.BlockWise1x128.value: (1, 128), F.ScalingType.BlockWise128x128.value: (128, 128),
                   F.ScalingType.BlockWise1x32.value: (1, 32)}
-
-
-def _meta(t: torch.Tensor | None) -> torch.Tensor | None:
-    if not isinstance(t, torch.Tensor):
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def _check_on_meta(op: torch._ops.OpOverload, *args, **kwargs) -> None:
-    """Runs `op`'s meta function, which raises PyTorch's own error for a bad signature."""
-    meta = [[_meta(x) for x in a] if isinstance(a, (list, tuple)) else _meta(a) for a in args]
-    op(*meta, **{k: _meta(v) for k, v in kwargs.items()})
 
 
 def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
@@ -76,18 +65,105 @@ def _scale_grouped_result(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s
     return scaled
 
 
+def _mx_pieces(x: torch.Tensor, bounds: list[tuple[int, int]] | None, split: str) -> list[tuple]:
+    """Indexes of the per-group [rows, K] pieces of an operand's [..., rows, K] view: a batch
+    entry of a 3d operand, a slice of rows (groups along M or N) or of K (groups along K)."""
+    if x.dim() == 3:
+        return [(g,) for g in range(x.shape[0])]
+    if split == "rows":
+        return [(slice(s, e), slice(None)) for s, e in bounds]
+    return [(slice(None), slice(s, e)) for s, e in bounds]
+
+
+def _mx_block_size(rows: int, k: int) -> int:
+    """e8m0 scales of a [rows, K] piece in the 32_4_4 layout: [rows, ceil(K / 32)] padded to 128x4 tiles."""
+    return math.ceil(rows / 128) * 128 * math.ceil(math.ceil(k / 32) / 4) * 4
+
+
+def _mx_dequantize(name: str, view: torch.Tensor, scale: torch.Tensor, pieces: list[tuple]) -> torch.Tensor:
+    """float32 values of an MXFP8 operand: `view` is its [..., rows, K] view, each group piece's
+    e8m0 scales one 32_4_4-swizzled block (`_mx_block_size`): row `g` of a 3d operand's
+    [G, blocked] scales, or, for a 2d operand, the pieces' blocks concatenated in group order
+    (an empty group has none), as CUDA's MXFP8 grouped GEMM reads them."""
+    parts = [view[index] for index in pieces]
+    sizes = [_mx_block_size(*part.shape) for part in parts]
+    if view.dim() == 2:
+        if scale.numel() != sum(sizes):
+            raise RuntimeError(f"_scaled_grouped_mm (MXFP8): {name} has {scale.numel()} e8m0 scales; its groups' "
+                               f"32_4_4-swizzled blocks ([rows, ceil(K / 32)] each, padded to 128x4 tiles) "
+                               f"take {sum(sizes)}")
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
+        blocks = [scale.reshape(-1)[s:s + size] for s, size in zip(starts, sizes)]
+    else:
+        blocks = list(scale)
+    out = torch.zeros(view.shape, dtype=torch.float32)
+    for index, part, grid in zip(pieces, parts, blocks):
+        rows, k = part.shape
+        if rows and k:
+            out[index] = part.float() * _expand(_unswizzle_32_4_4(grid, rows, math.ceil(k / 32)), rows, k, 1, 32)
+    return out
+
+
+def _mx_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                   offs: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """MXFP8 `_scaled_grouped_mm`: both operands dequantized with their 1x32 e8m0 block scales
+    (powers of two: exact in float32), one float32 grouped product, the cast."""
+    bounds = None if offs is None else _group_bounds(offs)
+    split = "k" if a.dim() == 2 and b.dim() == 2 else "rows"  # a 2d b's rows (N) split in 3d x 2d
+    a32 = _mx_dequantize("scale_a", a, scale_a, _mx_pieces(a, bounds, split))
+    b_view = b.transpose(-2, -1)  # [..., N, K]
+    b32 = _mx_dequantize("scale_b", b_view, scale_b, _mx_pieces(b, bounds, split)).transpose(-2, -1)
+    out = torch._grouped_mm(a32, b32, offs, out_dtype=torch.float32)
+    return out.to(out_dtype or torch.bfloat16)
+
+
+def _scaled_grouped(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    offs: torch.Tensor | None, bias: torch.Tensor | None, scale_result: torch.Tensor | None,
+                    out_dtype: torch.dtype | None, use_fast_accum: bool) -> torch.Tensor:
+    """The host computation of both scaled grouped matmul ops, after `_scaled_grouped_mm`'s checks."""
+    check_on_meta(torch.ops.aten._scaled_grouped_mm.default, a, b, scale_a, scale_b, offs, bias, scale_result,
+                   out_dtype, use_fast_accum)
+    if scale_a.dtype == torch.float8_e8m0fnu:
+        return _mx_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype)
+    out = torch._grouped_mm(a.float(), b.float(), offs, out_dtype=torch.float32)
+    return _scale_grouped_result(out, a, b, scale_a, scale_b, offs).to(out_dtype or torch.bfloat16)
+
+
 @device_kernel("aten::_scaled_grouped_mm")
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                       scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                       use_fast_accum: bool = False) -> torch.Tensor:
-    _check_on_meta(torch.ops.aten._scaled_grouped_mm.default, a, b, scale_a, scale_b, offs, bias, scale_result,
-                   out_dtype, use_fast_accum)
-    if scale_a.dtype == torch.float8_e8m0fnu:
-        raise NotImplementedError("_scaled_grouped_mm on neuron: MXFP8 (float8_e8m0fnu) group scales are not "
-                                  "supported yet; use float32 row-wise scales")
-    out = torch._grouped_mm(a.float(), b.float(), offs, out_dtype=torch.float32)
-    return _scale_grouped_result(out, a, b, scale_a, scale_b, offs).to(out_dtype or torch.bfloat16)
+    return _scaled_grouped(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+
+
+_GROUPED_RECIPES = {(F.ScalingType.RowWise.value, F.SwizzleType.NO_SWIZZLE.value): torch.float32,
+                    (F.ScalingType.BlockWise1x32.value, F.SwizzleType.SWIZZLE_32_4_4.value): torch.float8_e8m0fnu}
+
+
+@device_kernel("aten::_scaled_grouped_mm_v2")
+def scaled_grouped_mm_v2(a: torch.Tensor, b: torch.Tensor, scale_a: list[torch.Tensor], recipe_a: list[int],
+                         swizzle_a: list[int], scale_b: list[torch.Tensor], recipe_b: list[int],
+                         swizzle_b: list[int], offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None, contraction_dim: list[int] = (),
+                         use_fast_accum: bool = False) -> torch.Tensor:
+    """`F.scaled_grouped_mm`: row-wise float32 scales or MXFP8 (BlockWise1x32 e8m0 scales,
+    SWIZZLE_32_4_4), the recipes CUDA's grouped GEMM has; the same kernel as `_scaled_grouped_mm`."""
+    sides = []
+    for name, scales, recipe, swizzle in (("a", scale_a, recipe_a, swizzle_a), ("b", scale_b, recipe_b, swizzle_b)):
+        key = (recipe[0] if len(recipe) == 1 else None, swizzle[0] if swizzle else F.SwizzleType.NO_SWIZZLE.value)
+        if len(scales) != 1 or key not in _GROUPED_RECIPES or scales[0].dtype != _GROUPED_RECIPES[key]:
+            raise NotImplementedError(
+                f"scaled_grouped_mm on neuron: scale_{name} with recipe {list(recipe)}, swizzle {list(swizzle)} and "
+                f"dtypes {[s.dtype for s in scales]}; supported are ScalingType.RowWise float32 scales (no swizzle) "
+                f"and ScalingType.BlockWise1x32 float8_e8m0fnu scales with SwizzleType.SWIZZLE_32_4_4 (MXFP8)")
+        sides.append(key)
+    if sides[0] != sides[1]:
+        raise NotImplementedError(f"scaled_grouped_mm on neuron: both operands take one recipe; got {sides}")
+    if contraction_dim and tuple(contraction_dim) not in ((-1, -2), (a.dim() - 1, b.dim() - 2)):
+        raise NotImplementedError(f"scaled_grouped_mm on neuron: contraction_dim {list(contraction_dim)}; only "
+                                  f"the last dim of mat_a with the second-to-last of mat_b is supported")
+    return _scaled_grouped(a, b, scale_a[0], scale_b[0], offs, bias, None, out_dtype, use_fast_accum)
 
 
 # ---- block-scaled _scaled_mm ------------------------------------------------------------------
@@ -161,7 +237,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     blocks = _v1_blocks(a, b, scale_a, scale_b) if a.dim() == 2 and b.dim() == 2 else None
     if blocks is None:  # tensor-wise and row-wise: the CPU kernel (and its errors)
         return torch._scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
-    _check_on_meta(torch.ops.aten._scaled_mm.default, a, b, scale_a, scale_b, bias, scale_result, out_dtype,
+    check_on_meta(torch.ops.aten._scaled_mm.default, a, b, scale_a, scale_b, bias, scale_result, out_dtype,
                    use_fast_accum)
     return _block_scaled_mm(a, b, blocks[0], blocks[2], blocks[1], blocks[3], bias, out_dtype)
 
@@ -174,7 +250,7 @@ def scaled_mm_v2(a: torch.Tensor, b: torch.Tensor, scale_a: list[torch.Tensor], 
     if not (len(recipe_a) == len(recipe_b) == 1 and recipe_a[0] in _BLOCK_RECIPES and recipe_b[0] in _BLOCK_RECIPES):
         return torch._scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype,
                                    list(contraction_dim), use_fast_accum)
-    _check_on_meta(torch.ops.aten._scaled_mm_v2.default, a, b, list(scale_a), recipe_a, swizzle_a, list(scale_b),
+    check_on_meta(torch.ops.aten._scaled_mm_v2.default, a, b, list(scale_a), recipe_a, swizzle_a, list(scale_b),
                    recipe_b, swizzle_b, bias, out_dtype, list(contraction_dim), use_fast_accum)
     blocks_a, block_a, blocks_b, block_b = _v2_blocks(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b)
     return _block_scaled_mm(a, b, blocks_a, blocks_b, block_a, block_b, bias, out_dtype)
@@ -183,5 +259,6 @@ def scaled_mm_v2(a: torch.Tensor, b: torch.Tensor, scale_a: list[torch.Tensor], 
 def install() -> None:
     register("aten::_grouped_mm", grouped_mm)
     register("aten::_scaled_grouped_mm", scaled_grouped_mm)
+    register("aten::_scaled_grouped_mm_v2", scaled_grouped_mm_v2)
     register("aten::_scaled_mm", scaled_mm)
     register("aten::_scaled_mm_v2", scaled_mm_v2)
