@@ -91,7 +91,8 @@ def test_paged_attention_prefill_and_decode_match_reference(charged):
 def _decode_batch(ctx_lens, shared_prefix_blocks=1):
     """A decode step's operands on neuron: one new token per sequence, contexts written through
     reshape_and_cache into shuffled blocks; the first `shared_prefix_blocks` blocks are one cached
-    prefix every sequence's table names. Returns (q, cache rows, tables, seq_lens, the contexts)."""
+    prefix every sequence's table names. Returns (q, cache rows, tables, seq_lens, the contexts, the
+    ISA whose layout the cache was written in)."""
     torch.manual_seed(1)
     num_blocks = 16
     dev = torch.device("neuron")
@@ -117,7 +118,7 @@ def _decode_batch(ctx_lens, shared_prefix_blocks=1):
         ops.reshape_and_cache(k[:len(shared[0])].to(dev), v[:len(shared[0])].to(dev), k_cache, v_cache,
                               slot.to(dev), isa)
     q = torch.randn(len(ctx_lens), HEADS, D)
-    return q, rows, torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32), contexts
+    return q, rows, torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32), contexts, isa
 
 
 def test_decode_step_runs_the_nki_kernel_charged_its_simulated_latency(charged):
@@ -127,15 +128,15 @@ def test_decode_step_runs_the_nki_kernel_charged_its_simulated_latency(charged):
     from torchneuron.serving.llm import kernels
 
     ctx_lens = [70, 33, 40]
-    q, rows, tables, seq_lens, contexts = _decode_batch(ctx_lens)
+    q, rows, tables, seq_lens, contexts, isa = _decode_batch(ctx_lens)
     dev = torch.device("neuron")
     starts = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
     _, meta = _schedule(seq_lens, starts)
     out = torch.zeros_like(q, device=dev)
     _names(charged)
     charged.clear()
-    kernels.paged_attention(q.to(dev), rows, out, starts.to(dev), seq_lens.to(dev), 1 / math.sqrt(D), True, None,
-                            -1, tables.to(dev), 0.0, meta, None)
+    kernels.paged_attention(q.to(dev), rows, out, starts.to(dev), seq_lens.to(dev), isa, 1 / math.sqrt(D), True,
+                            None, -1, tables.to(dev), 0.0, meta, None)
     for i, (k, v) in enumerate(contexts):
         torch.testing.assert_close(out[i:i + 1].cpu(), _reference_attention(q[i:i + 1], k, v, 1), rtol=1e-4, atol=1e-4)
     device_timeline.flush_pending()
@@ -152,14 +153,14 @@ def test_decode_step_the_kernel_cannot_take_warns_once_and_runs_vllms_kernel(cha
     from torchneuron.ops import policy
     from torchneuron.serving.llm import kernels
 
-    ctx_lens = [50, 20]
-    q, rows, tables, seq_lens, contexts = _decode_batch(ctx_lens)
+    ctx_lens = [50, 40]
+    q, rows, tables, seq_lens, contexts, isa = _decode_batch(ctx_lens)
     dev = torch.device("neuron")
     starts = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
     _, meta = _schedule(seq_lens, starts)
     monkeypatch.setattr(torch_ops, "_warned", set())
-    args = (q.to(dev), rows, torch.zeros(q.shape, device=dev), starts.to(dev), seq_lens.to(dev), 1 / math.sqrt(D),
-            True, None, -1, tables.to(dev), 30.0, meta, None)  # logits soft-capping: not in the NKI kernel
+    args = (q.to(dev), rows, torch.zeros(q.shape, device=dev), starts.to(dev), seq_lens.to(dev), isa,
+            1 / math.sqrt(D), True, None, -1, tables.to(dev), 30.0, meta, None)  # soft-capping: not in the NKI kernel
     with pytest.warns(UserWarning, match="no logits soft-capping"):
         kernels.paged_attention(*args)
     assert "neuron_serving::paged_attention" in _names(charged)

@@ -2,11 +2,13 @@
 sequence against the keys and values its block table names (prefix-cached blocks shared by
 several sequences are simply named by several tables).
 
-Layouts (those of the serving backend, serving/llm/attention.py, i.e. vLLM's CPU backend):
+Layouts (those of the serving backend, serving/llm/attention.py: vLLM's CPU attention backend
+with its "vec" kernels, the ISA vLLM picks for block sizes that are multiples of 32 on x86 hosts
+without AMX):
 - q [B, T, Hq, d]: T new tokens per sequence (vLLM's [tokens, Hq, d] query of a decode batch);
-- kv_cache [num_blocks, Hkv, 2 * bs, d]: per block and key/value head, bs key rows then bs
-  value rows of d elements (vLLM's [num_blocks, Hkv, bs, 2 * d] cache, viewed with its K and V
-  halves as rows); each (block, head) K or V slab is one contiguous run of bs * d elements;
+- kv_cache [num_blocks, Hkv, 2 * bs, d]: vLLM's [num_blocks, Hkv, bs, 2 * d] cache viewed with
+  its K and V halves as rows; per block and key/value head, the keys transposed (a [d, bs] slab:
+  K^T, d rows of bs keys), then the values (a [bs, d] slab); each slab is one contiguous run;
 - block_table [B, max_blocks] int32: the cache block of each sequence's i-th bs keys;
 - context_lens [B, 1] int32: keys each sequence holds, the T new ones included (token t of a
   sequence sees keys < len - T + t + 1).
@@ -17,11 +19,13 @@ One SPMD program per sequence. Every key/value head's scores share one PSUM tile
 head, token, query head of the group), so the softmax runs once for all heads; the kernel walks
 `max_blocks` blocks of the table in chunks of 512 keys (entries past a sequence's length must
 name some valid block; their keys are masked), loading each block by its table entry at run
-time (a dynamic DMA offset): the keys of all heads with one transposing DMA (K^T, d on
-partitions, as the Tensor engine contracts over d), the values likewise (one DMA of Hkv
-contiguous slabs: a DMA per head's slab would be too small to use every DMA queue), put back
-with keys on partitions for P V by PE transposes. K and V stream from HBM once. Scores, softmax statistics and the
-output accumulate in fp32; P is cast to the input dtype for the P V matmul.
+time (a dynamic DMA offset): each head's K^T slab as it lies (d on partitions, as the Tensor
+engine contracts over d), the values of all heads with one transposing DMA of Hkv slabs (a DMA
+per head's slab uses only half the DMA queues below 64 KB), put back with keys on partitions
+for P V by PE transposes. K and V stream from HBM once. With bs * d * itemsize under 64 KB the
+per-head K^T loads are what bounds the kernel (bench/nki_kernels.py: block size 128 vs 256).
+Scores, softmax statistics and the output accumulate in fp32; P is cast to the input dtype for
+the P V matmul.
 """
 from __future__ import annotations
 
@@ -85,10 +89,14 @@ def _load_unit(kv_cache, table, u0: int, w: int, hk: int, bs: int, d: int) -> tu
     v_t = nl.ndarray((d, hk, w), dtype=kv_cache.dtype, buffer=nl.sbuf)
     for i in range(u0 // bs, (u0 + w) // bs):
         blk = table[0:1, i:i + 1]  # the block's number, read at run time
-        for half, dst in ((0, k_t), (slab, v_t)):
-            nisa.dma_transpose(dst=dst.ap([[hk * w, d], [1, bs], [w, hk]], offset=i * bs - u0),
-                               src=kv_cache.ap([[2 * slab, hk], [d, bs], [1, d]], offset=half,
-                                               scalar_offset=blk, indirect_dim=0))
+        kk = i * bs - u0
+        for h in range(hk):  # K^T of a head: its [d, bs] slab as is, d on partitions
+            nisa.dma_copy(dst=k_t[:, h, kk:kk + bs], src=kv_cache.ap([[bs, d], [1, bs]], offset=h * 2 * slab,
+                                                                     scalar_offset=blk, indirect_dim=0))
+        # V of every head, [Hkv, bs, d] in HBM -> [d, bs, Hkv] into v_t[:, h, kk:kk + bs]
+        nisa.dma_transpose(dst=v_t.ap([[hk * w, d], [1, bs], [w, hk]], offset=kk),
+                           src=kv_cache.ap([[2 * slab, hk], [d, bs], [1, d]], offset=slab, scalar_offset=blk,
+                                           indirect_dim=0))
     return k_t, v_t
 
 
@@ -211,7 +219,7 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, 
     maxb = block_table.shape[1]
     # every sequence's blocks: [B, max_blocks, Hkv, 2 * bs, d] -> K, V [B, Hkv, keys, d]
     gathered = kv_cache[block_table.long()].transpose(1, 2)
-    k = gathered[:, :, :, :bs].reshape(b, hk, maxb * bs, d).float()
+    k = gathered[:, :, :, :bs].reshape(b, hk, maxb, d, bs).transpose(-1, -2).reshape(b, hk, maxb * bs, d).float()
     v = gathered[:, :, :, bs:].reshape(b, hk, maxb * bs, d).float()
     qh = q.float().view(b, t, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, t * g, d)  # rows (token, member)
     scores = (qh @ k.transpose(-1, -2)).view(b, hk, t, g, maxb * bs)
@@ -255,7 +263,7 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
         n = int(context_lens.reshape(-1)[s])
         blocks = block_table[s, :(n + bs - 1) // bs].long()
         cache = kv_cache[blocks].float().transpose(0, 1)   # [hk, blocks, 2 * bs, d]
-        keys = cache[:, :, :bs].reshape(hk, -1, d)[:, :n]
+        keys = cache[:, :, :bs].reshape(hk, -1, d, bs).transpose(-1, -2).reshape(hk, -1, d)[:, :n]  # K^T slabs
         vals = cache[:, :, bs:].reshape(hk, -1, d)[:, :n]
         for tok in range(t):
             seen = n - t + tok + 1

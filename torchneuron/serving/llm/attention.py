@@ -57,7 +57,7 @@ class NeuronAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError(f"{NAME} has no per-request causal mask.")
         n = attn_metadata.num_actual_tokens
         kernels.paged_attention(query[:n], _rows(kv_cache), output[:n], attn_metadata.query_start_loc,
-                                attn_metadata.seq_lens, self.scale, attn_metadata.causal, self.alibi_slopes,
+                                attn_metadata.seq_lens, layer.isa, self.scale, attn_metadata.causal, self.alibi_slopes,
                                 self.sliding_window, attn_metadata.block_table, float(self.logits_soft_cap),
                                 attn_metadata.scheduler_metadata, self._sinks())
         return output

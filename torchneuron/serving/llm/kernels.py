@@ -122,15 +122,23 @@ def _decode_tokens(query_start_loc: torch.Tensor, heads: int) -> int:
     return t if 0 < t and t * heads <= nki_decode.P else 0
 
 
-def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, causal: bool, alibi_slopes, sliding_window: int,
-                    softcap: float, sinks) -> str | None:
+DECODE_ISA = "vec"  # the vLLM CPU kernels whose KV-cache layout the NKI decode kernel reads
+
+
+def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, isa: str, causal: bool, alibi_slopes,
+                    sliding_window: int, softcap: float, sinks) -> str | None:
     """Why the NKI decode kernel cannot run this layer's decode step, or None."""
+    if isa != DECODE_ISA:
+        return (f"the NKI decode-attention kernel reads the KV-cache layout of vLLM's {DECODE_ISA!r} CPU kernels; "
+                f"this cache is laid out for {isa!r} (head size {query.shape[-1]}, block size {kv_cache.shape[2] // 2})")
     features = [("ALiBi slopes", alibi_slopes is not None), ("a sliding window", sliding_window > 0),
                 ("logits soft-capping", softcap > 0), ("attention sinks", sinks is not None),
                 ("non-causal attention", not causal)]
     missing = [name for name, used in features if used]
     if missing:
         return f"the NKI decode-attention kernel has no {', '.join(missing)}"
+    if not kv_cache.is_contiguous():
+        return "the NKI decode-attention kernel addresses a contiguous KV cache; this one is strided"
     try:
         nki_decode.check_shapes(query[:t].unsqueeze(0), kv_cache, torch.empty(1, 1))
     except ValueError as error:
@@ -139,21 +147,22 @@ def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, causal:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, causal: bool, alibi_slopes: torch.Tensor | None,
+                    seq_lens: torch.Tensor, isa: str, scale: float, causal: bool, alibi_slopes: torch.Tensor | None,
                     sliding_window: int, block_table: torch.Tensor, softcap: float,
                     scheduler_metadata: torch.Tensor, sinks: torch.Tensor | None) -> None:
     """One layer's attention over a step's sequences into `output`. kv_cache is vLLM's cache viewed
-    [blocks, kv_heads, 2 * block_size, head_size] (each block's keys, then its values).
+    [blocks, kv_heads, 2 * block_size, head_size] (each block's keys, then its values, as vLLM's
+    CPU kernels for `isa` lay them out).
 
     A decode step (every sequence T new tokens, T * heads <= 128) runs the NKI decode-attention
     kernel (`nki_kernels::decode_attention`, charged its simulated latency) over the block table's
     first ceil(max context / block size) columns; a step with prefill chunks runs
     `neuron_serving::paged_attention`. A decode step the kernel cannot take (a feature it lacks,
-    a head size or block size outside its constraints) warns once and runs the latter too;
+    a head size, block size or cache layout outside its constraints) warns once and runs the latter too;
     strict mode (TORCHNEURON_STRICT=1) raises instead."""
     t = _decode_tokens(query_start_loc, query.shape[1])
     if t:
-        reason = _decode_refusal(kv_cache, query, t, causal, alibi_slopes, sliding_window, softcap, sinks)
+        reason = _decode_refusal(kv_cache, query, t, isa, causal, alibi_slopes, sliding_window, softcap, sinks)
         if reason is None:
             _ready()
             b = query.shape[0] // t
