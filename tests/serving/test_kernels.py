@@ -101,7 +101,7 @@ def _decode_batch(ctx_lens, shared_prefix_blocks=1):
     k_cache, v_cache = rows.chunk(2, dim=2)
     order = torch.randperm(num_blocks).tolist()
     prefix = [order.pop() for _ in range(shared_prefix_blocks)]
-    shared = torch.randn(shared_prefix_blocks * BLOCK, KV_HEADS, D), torch.randn(shared_prefix_blocks * BLOCK, KV_HEADS, D)
+    shared = [torch.randn(shared_prefix_blocks * BLOCK, KV_HEADS, D) for _ in "kv"]
     isa, _ = _schedule(torch.tensor(ctx_lens, dtype=torch.int32), torch.arange(len(ctx_lens) + 1, dtype=torch.int32))
     tables, contexts = [], []
     for s in ctx_lens:

@@ -7,6 +7,11 @@ NeuronCore's kernels run on the host; the arithmetic is vLLM's own CPU kernels, 
 vLLM's CPU platform bit for bit), then charges one kernel to the device timeline priced by the
 performance model. Paged attention is priced from the step's per-sequence query and context
 lengths (hardware.model.paged_attention_cost), i.e. by the cached context actually attended.
+
+`paged_attention` (the attention backend's entry) sends a decode step instead to the NKI
+decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_attention`): it
+reads vLLM's cache through the block table, computes on the host with the kernel's numerics and
+is charged the kernel's simulated latency (kernels/pricing.py).
 """
 from __future__ import annotations
 
@@ -130,7 +135,8 @@ def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, isa: st
     """Why the NKI decode kernel cannot run this layer's decode step, or None."""
     if isa != DECODE_ISA:
         return (f"the NKI decode-attention kernel reads the KV-cache layout of vLLM's {DECODE_ISA!r} CPU kernels; "
-                f"this cache is laid out for {isa!r} (head size {query.shape[-1]}, block size {kv_cache.shape[2] // 2})")
+                f"this cache is laid out for {isa!r} (head size {query.shape[-1]}, "
+                f"block size {kv_cache.shape[2] // 2})")
     features = [("ALiBi slopes", alibi_slopes is not None), ("a sliding window", sliding_window > 0),
                 ("logits soft-capping", softcap > 0), ("attention sinks", sinks is not None),
                 ("non-causal attention", not causal)]
@@ -140,7 +146,7 @@ def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, isa: st
     if not kv_cache.is_contiguous():
         return "the NKI decode-attention kernel addresses a contiguous KV cache; this one is strided"
     try:
-        nki_decode.check_shapes(query[:t].unsqueeze(0), kv_cache, torch.empty(1, 1))
+        nki_decode.check_shapes(query[:t].unsqueeze(0), kv_cache, block_table[:1])
     except ValueError as error:
         return str(error)
     return None
@@ -158,8 +164,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
     kernel (`nki_kernels::decode_attention`, charged its simulated latency) over the block table's
     first ceil(max context / block size) columns; a step with prefill chunks runs
     `neuron_serving::paged_attention`. A decode step the kernel cannot take (a feature it lacks,
-    a head size, block size or cache layout outside its constraints) warns once and runs the latter too;
-    strict mode (TORCHNEURON_STRICT=1) raises instead."""
+    a head size, block size or cache layout outside its constraints) warns once and runs the
+    latter too; strict mode (TORCHNEURON_STRICT=1) raises instead."""
     t = _decode_tokens(query_start_loc, query.shape[1])
     if t:
         reason = _decode_refusal(kv_cache, query, t, isa, causal, alibi_slopes, sliding_window, softcap, sinks)
