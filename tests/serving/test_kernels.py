@@ -122,9 +122,9 @@ def _decode_batch(ctx_lens, shared_prefix_blocks=1):
 
 
 def test_decode_step_runs_the_nki_kernel_charged_its_simulated_latency(charged):
-    from torchneuron.hardware import get_target
+    import torchneuron.nki.typing as nt
     from torchneuron.hardware.model import launch_cost
-    from torchneuron.kernels import pricing
+    from torchneuron.kernels import decode_attention as nki_decode
     from torchneuron.serving.llm import kernels
 
     ctx_lens = [70, 33, 40]
@@ -142,10 +142,11 @@ def test_decode_step_runs_the_nki_kernel_charged_its_simulated_latency(charged):
     device_timeline.flush_pending()
     kernel = [e for e in charged if e.name == "nki::decode_attention"]
     assert len(kernel) == 1 and "neuron_serving::paged_attention" not in _names(charged)
-    blocks = math.ceil(max(ctx_lens) / BLOCK)  # the table's columns the kernel walks
-    simulated = pricing.decode_kernel_seconds(get_target(), len(ctx_lens), 1, HEADS, KV_HEADS, D, BLOCK, blocks,
-                                              torch.float32)
-    assert kernel[0].cost.duration_s == pytest.approx(simulated + launch_cost())
+    b, blocks = len(ctx_lens), math.ceil(max(ctx_lens) / BLOCK)  # the table's columns the kernel walks
+    holders = (nt.tensor[(b, 1, HEADS, D), torch.float32], nt.tensor[tuple(rows.shape), torch.float32],
+               nt.tensor[(b, blocks), torch.int32], nt.tensor[(b, 1), torch.int32])
+    _, stats = nki_decode.decode_attention[b].run(holders, {"scale": 1 / math.sqrt(D)})  # timing-only simulation
+    assert kernel[0].cost.duration_s == pytest.approx(stats.latency_s + launch_cost())
 
 
 def test_decode_step_the_kernel_cannot_take_warns_once_and_runs_vllms_kernel(charged, monkeypatch):

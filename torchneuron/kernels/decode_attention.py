@@ -13,7 +13,7 @@ without AMX):
 - context_lens [B, 1] int32: keys each sequence holds, the T new ones included (token t of a
   sequence sees keys < len - T + t + 1).
 Constraints: bf16 / fp16 / fp32; d <= 128; Hq a multiple of Hkv; T * Hq <= 128 score rows; bs
-divides 128 or is a multiple of it. Output [B, T, Hq, d] in q's dtype.
+divides 128 or is a multiple of it up to 512. Output [B, T, Hq, d] in q's dtype.
 
 One SPMD program per sequence. Every key/value head's scores share one PSUM tile (rows ordered
 head, token, query head of the group), so the softmax runs once for all heads; the kernel walks
@@ -72,8 +72,9 @@ def check_shapes(q, kv_cache, block_table) -> tuple:
         raise UnsupportedInput(f"decode_attention: T * Hq = {t * hq} score rows (T = {t} new tokens, {hq} query "
                                f"heads) is over {P}, the partitions of one score tile")
     bs = rows // 2
-    if not (P % bs == 0 or bs % P == 0):
-        raise UnsupportedInput(f"decode_attention: block size {bs} must divide {P} or be a multiple of it")
+    if not (P % bs == 0 or (bs % P == 0 and bs <= CHUNK)):
+        raise UnsupportedInput(f"decode_attention: block size {bs} must divide {P} or be a multiple of it up to "
+                               f"{CHUNK} (the keys of one score tile)")
     if block_table.shape[0] != b:
         raise ValueError(f"decode_attention: block_table has {block_table.shape[0]} rows for {b} sequences")
     return b, t, hq, d, hk, bs, block_table.shape[1], hq // hk

@@ -130,8 +130,8 @@ def _decode_tokens(query_start_loc: torch.Tensor, heads: int) -> int:
 DECODE_ISA = "vec"  # the vLLM CPU kernels whose KV-cache layout the NKI decode kernel reads
 
 
-def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, isa: str, causal: bool, alibi_slopes,
-                    sliding_window: int, softcap: float, sinks) -> str | None:
+def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, block_table: torch.Tensor, isa: str,
+                    causal: bool, alibi_slopes, sliding_window: int, softcap: float, sinks) -> str | None:
     """Why the NKI decode kernel cannot run this layer's decode step, or None."""
     if isa != DECODE_ISA:
         return (f"the NKI decode-attention kernel reads the KV-cache layout of vLLM's {DECODE_ISA!r} CPU kernels; "
@@ -168,7 +168,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
     latter too; strict mode (TORCHNEURON_STRICT=1) raises instead."""
     t = _decode_tokens(query_start_loc, query.shape[1])
     if t:
-        reason = _decode_refusal(kv_cache, query, t, isa, causal, alibi_slopes, sliding_window, softcap, sinks)
+        reason = _decode_refusal(kv_cache, query, t, block_table, isa, causal, alibi_slopes, sliding_window, softcap,
+                                 sinks)
         if reason is None:
             _ready()
             b = query.shape[0] // t
