@@ -3,9 +3,10 @@ performance model's formula for the same work (the price eager ops had before th
 priced them), both measured in this run.
 
 Timing-only simulations (typed placeholders): attention forward and backward at 8K x 128
-bf16 (one head), decode attention at batch 32 x context 4K (Llama-8B-like heads: 32 query,
-8 key/value, d 128, 128-key blocks), the MoE blockwise grouped matmul (8 blocks of 512
-tokens, 4096 x 2048 expert weights).
+bf16 (one head), decode attention at batch 32 x context 4K in vLLM's paged KV-cache layout
+through a block table (Llama-8B-like heads: 32 query, 8 key/value, d 128, blocks of 128 and of
+256 keys), the MoE blockwise grouped matmul (8 blocks of 512 tokens, 4096 x 2048 expert
+weights).
 
 Columns: modeled latency; Tensor-engine busy % (its instructions' time over the latency,
 PE transposes included); useful % (the op's matmul FLOPs at the bf16 peak over the latency);
@@ -70,15 +71,16 @@ def main() -> None:
     _, st = fa.attention_fwd[1].run((q, q, q), {"scale": d ** -0.5, "causal": True}, target=target)
     _row(f"attention fwd {s}x{d} causal", st, fa.flops(1, s, s, d, True), 4 * s * d * 2, f_fwd.duration_s, target)
 
-    b, ctx, hq, hk, bs = a.batch, a.ctx, 32, 8, 128
-    maxb = ctx // bs
-    args = (nt.tensor[(b, 1, hq, d), BF16], nt.tensor[(b * maxb, d, hk, bs), BF16],
-            nt.tensor[(b * maxb, bs, hk, d), BF16], nt.tensor[(b, maxb), torch.int32], nt.tensor[(b, 1), torch.int32])
-    _, st = da.decode_attention[b].run(args, {"scale": d ** -0.5}, target=target)
-    formula = model.paged_attention_cost([1] * b, [ctx] * b, heads=hq, kv_heads=hk, head_size=d, dtype=BF16,
-                                         block_size=bs, target=target)
-    _row(f"decode attention {b}x{ctx}", st, 4.0 * b * hq * ctx * d, da.cache_bytes(b, ctx, hk, d),
-         formula.duration_s, target)
+    b, ctx, hq, hk = a.batch, a.ctx, 32, 8
+    for bs in (128, 256):  # vLLM's block size: a (block, head) K^T slab of 32 KB, then 64 KB
+        maxb = ctx // bs
+        args = (nt.tensor[(b, 1, hq, d), BF16], nt.tensor[(b * maxb, hk, 2 * bs, d), BF16],  # vLLM's paged layout
+                nt.tensor[(b, maxb), torch.int32], nt.tensor[(b, 1), torch.int32])
+        _, st = da.decode_attention[b].run(args, {"scale": d ** -0.5}, target=target)
+        formula = model.paged_attention_cost([1] * b, [ctx] * b, heads=hq, kv_heads=hk, head_size=d, dtype=BF16,
+                                             block_size=bs, target=target)
+        _row(f"decode attention {b}x{ctx} block {bs}", st, 4.0 * b * hq * ctx * d, da.cache_bytes(b, ctx, hk, d),
+             formula.duration_s, target)
 
     nb, kdim, n, e = 8, 4096, 2048, 8
     args = (nt.tensor[(nb * moe.BT, kdim), BF16], nt.tensor[(e, kdim, n), BF16], nt.tensor[(nb, 1), torch.int32])

@@ -1,14 +1,12 @@
-"""NKI attention kernels (torchneuron.kernels.flash_attention / decode_attention) against torch:
-forward and backward, causal or not, GQA / MQA, head dims 64 and 128, sliding window,
-bf16 / fp16; paged decode attention through a block table; the registered torch ops (fake
-implementation under torch.compile, autograd) and their errors on unsupported input."""
-import math
+"""NKI flash-attention kernels (torchneuron.kernels.flash_attention) against torch: forward and
+backward, causal or not, GQA / MQA, head dims 64 and 128, sliding window, bf16 / fp16; the
+registered torch ops (fake implementation under torch.compile, autograd) and their errors on
+unsupported input. Decode (paged) attention: test_decode_attention.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from torchneuron.kernels import decode_attention as da
 from torchneuron.kernels import flash_attention as fa
 from torchneuron.kernels import torch_ops as ops
 
@@ -110,30 +108,3 @@ def test_attention_kernel_names_unsupported_input():
         fa.attention_fwd[3](q, torch.randn(2, 128, 64), torch.randn(2, 128, 64), 0.125, False, 0)
 
 
-def _paged(b, t, hq, hk, d, bs, lens, dtype, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    maxb = max(math.ceil(n / bs) for n in lens)
-    nblk = b * maxb + 2
-    kc = torch.randn(nblk, d, hk, bs, generator=g).to(dtype)
-    vc = torch.randn(nblk, bs, hk, d, generator=g).to(dtype)
-    table = torch.randperm(nblk, generator=g)[:b * maxb].reshape(b, maxb).int()
-    q = torch.randn(b, t, hq, d, generator=g).to(dtype)
-    return q, kc, vc, table, torch.tensor(lens, dtype=torch.int32)
-
-
-@pytest.mark.parametrize("b,t,hq,hk,d,bs,lens,dtype", [
-    (2, 1, 4, 2, 64, 16, [37, 100], torch.float32),
-    (2, 2, 8, 2, 128, 128, [300, 129], torch.bfloat16),   # two new tokens each
-])
-def test_paged_decode_attention_matches_gathered_reference(b, t, hq, hk, d, bs, lens, dtype, path):
-    q, kc, vc, table, ctx = _paged(b, t, hq, hk, d, bs, lens, dtype)
-    out = ops.paged_decode_attention(q, kc, vc, table, ctx)
-    ref = da.reference(q, kc, vc, table, ctx.view(-1, 1), d ** -0.5)
-    assert out.shape == (b, t, hq, d) and out.dtype == dtype
-    assert (out.float() - ref).abs().max().item() <= TOL[dtype]
-
-
-def test_paged_decode_attention_rejects_a_layout_it_does_not_read(path):
-    q, kc, vc, table, ctx = _paged(1, 1, 2, 2, 64, 16, [20], torch.float32)
-    with pytest.raises(Exception, match=r"k_cache must be \[blocks, d, Hkv, bs\]"):
-        ops.paged_decode_attention(q, kc.transpose(1, 3).contiguous(), vc, table, ctx)

@@ -88,6 +88,92 @@ def test_paged_attention_prefill_and_decode_match_reference(charged):
     assert names.count("neuron_serving::paged_attention") == 1
 
 
+def _decode_batch(ctx_lens, shared_prefix_blocks=1):
+    """A decode step's operands on neuron: one new token per sequence, contexts written through
+    reshape_and_cache into shuffled blocks; the first `shared_prefix_blocks` blocks are one cached
+    prefix every sequence's table names. Returns (q, cache rows, tables, seq_lens, the contexts, the
+    ISA whose layout the cache was written in)."""
+    torch.manual_seed(1)
+    num_blocks = 16
+    dev = torch.device("neuron")
+    cache = torch.zeros(num_blocks, KV_HEADS, BLOCK, 2 * D, device=dev)
+    rows = cache.view(num_blocks, KV_HEADS, 2 * BLOCK, D)
+    k_cache, v_cache = rows.chunk(2, dim=2)
+    order = torch.randperm(num_blocks).tolist()
+    prefix = [order.pop() for _ in range(shared_prefix_blocks)]
+    shared = [torch.randn(shared_prefix_blocks * BLOCK, KV_HEADS, D) for _ in "kv"]
+    isa, _ = _schedule(torch.tensor(ctx_lens, dtype=torch.int32), torch.arange(len(ctx_lens) + 1, dtype=torch.int32))
+    tables, contexts = [], []
+    for s in ctx_lens:
+        blocks = prefix + [order.pop() for _ in range(math.ceil(s / BLOCK) - shared_prefix_blocks)]
+        tables.append(blocks + [0] * (4 - len(blocks)))
+        own = s - len(shared[0])
+        k, v = (torch.cat([p, torch.randn(own, KV_HEADS, D)]) for p in shared)
+        contexts.append((k, v))
+        slot = torch.tensor([blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(len(shared[0]), s)])
+        ops.reshape_and_cache(k[len(shared[0]):].to(dev), v[len(shared[0]):].to(dev), k_cache, v_cache,
+                              slot.to(dev), isa)
+    for (k, v) in contexts[:1]:  # the shared prefix is written once, as prefix caching leaves it
+        slot = torch.tensor([prefix[i // BLOCK] * BLOCK + i % BLOCK for i in range(len(shared[0]))])
+        ops.reshape_and_cache(k[:len(shared[0])].to(dev), v[:len(shared[0])].to(dev), k_cache, v_cache,
+                              slot.to(dev), isa)
+    q = torch.randn(len(ctx_lens), HEADS, D)
+    return q, rows, torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32), contexts, isa
+
+
+def test_decode_step_runs_the_nki_kernel_charged_its_simulated_latency(charged):
+    import torchneuron.nki.typing as nt
+    from torchneuron.hardware.model import launch_cost
+    from torchneuron.kernels import decode_attention as nki_decode
+    from torchneuron.serving.llm import kernels
+
+    ctx_lens = [70, 33, 40]
+    q, rows, tables, seq_lens, contexts, isa = _decode_batch(ctx_lens)
+    dev = torch.device("neuron")
+    starts = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
+    _, meta = _schedule(seq_lens, starts)
+    out = torch.zeros_like(q, device=dev)
+    _names(charged)
+    charged.clear()
+    kernels.paged_attention(q.to(dev), rows, out, starts.to(dev), seq_lens.to(dev), isa, 1 / math.sqrt(D), True,
+                            None, -1, tables.to(dev), 0.0, meta, None)
+    for i, (k, v) in enumerate(contexts):
+        torch.testing.assert_close(out[i:i + 1].cpu(), _reference_attention(q[i:i + 1], k, v, 1), rtol=1e-4, atol=1e-4)
+    device_timeline.flush_pending()
+    kernel = [e for e in charged if e.name == "nki::decode_attention"]
+    assert len(kernel) == 1 and "neuron_serving::paged_attention" not in _names(charged)
+    b, blocks = len(ctx_lens), math.ceil(max(ctx_lens) / BLOCK)  # the table's columns the kernel walks
+    holders = (nt.tensor[(b, 1, HEADS, D), torch.float32], nt.tensor[tuple(rows.shape), torch.float32],
+               nt.tensor[(b, blocks), torch.int32], nt.tensor[(b, 1), torch.int32])
+    _, stats = nki_decode.decode_attention[b].run(holders, {"scale": 1 / math.sqrt(D)})  # timing-only simulation
+    assert kernel[0].cost.duration_s == pytest.approx(stats.latency_s + launch_cost())
+
+
+def test_decode_step_the_kernel_cannot_take_warns_once_and_runs_vllms_kernel(charged, monkeypatch):
+    from torchneuron.kernels import torch_ops
+    from torchneuron.ops import policy
+    from torchneuron.serving.llm import kernels
+
+    ctx_lens = [50, 40]
+    q, rows, tables, seq_lens, contexts, isa = _decode_batch(ctx_lens)
+    dev = torch.device("neuron")
+    starts = torch.arange(len(ctx_lens) + 1, dtype=torch.int32)
+    _, meta = _schedule(seq_lens, starts)
+    monkeypatch.setattr(torch_ops, "_warned", set())
+    args = (q.to(dev), rows, torch.zeros(q.shape, device=dev), starts.to(dev), seq_lens.to(dev), isa,
+            1 / math.sqrt(D), True, None, -1, tables.to(dev), 30.0, meta, None)  # soft-capping: not in the NKI kernel
+    with pytest.warns(UserWarning, match="no logits soft-capping"):
+        kernels.paged_attention(*args)
+    assert "neuron_serving::paged_attention" in _names(charged)
+    assert "nki::decode_attention" not in _names(charged)
+    policy.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="strict mode forbids"):
+            kernels.paged_attention(*args)
+    finally:
+        policy.set_strict(False)
+
+
 def test_paged_attention_cost_grows_with_cached_context():
     from torchneuron.hardware import model
 

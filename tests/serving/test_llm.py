@@ -35,6 +35,27 @@ def test_greedy_matches_hf_generate(engine):
     assert [list(t) for t in tokens] == hf_greedy(model, PROMPTS, 20, torch.float32)
 
 
+def test_decode_steps_run_the_nki_decode_attention_kernel(engine):
+    import warnings
+
+    from torchneuron.hardware import timeline as device_timeline
+
+    llm, model, _ = engine
+    entries = []
+    device_timeline.add_listener(entries.append)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no fallback from the NKI kernel
+            out = llm.generate(PROMPTS[:2], _greedy(4))
+        device_timeline.flush_pending()
+    finally:
+        device_timeline.remove_listener(entries.append)
+    names = [e.name for e in entries]
+    layers = 2  # tiny_models: num_hidden_layers
+    assert names.count("nki::decode_attention") >= 3 * layers  # the 3 decode steps after the prefill
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
 def test_full_batch_preempts_and_still_matches_each_request_alone(engine):
     llm, _, _ = engine
     prompts = [f"{i} one two three four five six seven eight nine ten {i}" for i in range(8)]

@@ -564,6 +564,19 @@ def paged_attention_cost(q_lens: Sequence[int], kv_lens: Sequence[int], *, heads
     return _finish(target, _Work(engine_s, hbm, flops, engine="tensor"))
 
 
+def _paged_decode_cost(target: Target, ins: Sequence[TensorSig]) -> Cost | None:
+    """`decode_attention(q [B, T, Hq, d], kv_cache [blocks, Hkv, 2 * bs, d], block_table
+    [B, max_blocks], ...)` (kernels/decode_attention.py) by `paged_attention_cost`, each sequence
+    attending to the table's full width (the blocks the kernel walks). None for other shapes."""
+    if len(ins) < 3 or [len(shape) for _, shape in ins[:3]] != [4, 4, 2]:
+        return None
+    (dtype, q), (_, kv), (_, table) = ins[:3]
+    b, t, hq, d = (int(x) for x in q)
+    hk, bs = int(kv[1]), int(kv[2]) // 2
+    return paged_attention_cost([t] * b, [int(table[1]) * bs] * b, heads=hq, kv_heads=hk, head_size=d, dtype=dtype,
+                                block_size=bs, target=target)
+
+
 def kv_cache_write_cost(tokens: int, *, kv_heads: int, head_size: int, dtype: torch.dtype,
                         target: Target | None = None) -> Cost:
     """Writing a step's new keys and values into their KV-cache slots: an indirect DMA
@@ -734,6 +747,8 @@ def _formula_cost(target: Target, op: str, category: str, ins: Sequence[TensorSi
         return _finish(target, work)
     if category == "view":
         return Cost(0.0, "dma", 0.0, 0.0, "latency")
+    if category == "paged_attention" and (cost := _paged_decode_cost(target, ins)) is not None:
+        return cost
     if category == "scalar_read":
         return _scalar_read_cost(target, ins)
     if category == "matmul":

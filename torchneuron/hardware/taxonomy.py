@@ -16,6 +16,7 @@ _CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
         "lift_fresh view_as_real view_as_complex real imag unfold diagonal movedim",
         "_neg_view _conj conj resolve_conj resolve_neg _nested_tensor_from_mask_left_aligned",
         "as_strided_scatter_view _indices _values"),
+    "paged_attention": split_names("decode_attention"),
     "matmul": split_names("mm addmm bmm baddbmm matmul linear _addmm_activation addbmm addmv mv dot",
                      "vdot outer ger _scaled_mm inner tensordot"),
     "conv": split_names("convolution convolution_overrideable _convolution conv1d conv2d conv3d",

@@ -1,53 +1,114 @@
-"""Decode (paged) attention in NKI: a few new query tokens per sequence against a KV cache
-held in fixed-size blocks named by a block table.
+"""Decode (paged) attention in NKI, in vLLM's paged KV-cache layout: a few new query tokens per
+sequence against the keys and values its block table names (prefix-cached blocks shared by
+several sequences are simply named by several tables).
 
-Layouts:
-- q [B, T, Hq, d]: T new tokens per sequence (T * Hq / Hkv * Hkv <= 128 score rows);
-- k_cache [num_blocks, d, Hkv, bs]: each block's keys stored transposed (d rows, each holding
-  every head's bs keys), the layout the Tensor engine contracts over d with;
-- v_cache [num_blocks, bs, Hkv, d]: vLLM's value layout, keys on partitions for P V;
-  either loads a whole block, every head, with one DMA of Hkv * bs- or Hkv * d-element rows;
+Layouts (those of the serving backend, serving/llm/attention.py: vLLM's CPU attention backend
+with its "vec" kernels, the ISA vLLM picks for block sizes that are multiples of 32 on x86 hosts
+without AMX):
+- q [B, T, Hq, d]: T new tokens per sequence (vLLM's [tokens, Hq, d] query of a decode batch);
+- kv_cache [num_blocks, Hkv, 2 * bs, d]: vLLM's [num_blocks, Hkv, bs, 2 * d] cache viewed with
+  its K and V halves as rows; per block and key/value head, the keys transposed (a [d, bs] slab:
+  K^T, d rows of bs keys), then the values (a [bs, d] slab); each slab is one contiguous run;
 - block_table [B, max_blocks] int32: the cache block of each sequence's i-th bs keys;
 - context_lens [B, 1] int32: keys each sequence holds, the T new ones included (token t of a
   sequence sees keys < len - T + t + 1).
-bs divides 128 or is a multiple of 128; d <= 128. Output [B, T, Hq, d].
+Constraints: bf16 / fp16 / fp32; d <= 128; Hq a multiple of Hkv; T * Hq <= 128 score rows; bs
+divides 128 or is a multiple of it up to 512. Output [B, T, Hq, d] in q's dtype.
 
-One SPMD program per sequence. Every key/value head's scores share one PSUM tile (rows
-ordered head, token, query head of the group), so the softmax runs once for all heads; the
-kernel walks `max_blocks` blocks of the table in chunks of 512 keys (entries past a
-sequence's length must name some valid block; their keys are masked), loading each block
-by its table entry at run time (a dynamic DMA offset), so it streams K and V from HBM once.
+One SPMD program per sequence. Every key/value head's scores share one PSUM tile (rows ordered
+head, token, query head of the group), so the softmax runs once for all heads; the kernel walks
+`max_blocks` blocks of the table in chunks of 512 keys (entries past a sequence's length must
+name some valid block; their keys are masked), loading each block by its table entry at run
+time (a dynamic DMA offset): each head's K^T slab as it lies (d on partitions, as the Tensor
+engine contracts over d), the values of all heads with one transposing DMA of Hkv slabs (a DMA
+per head's slab uses only half the DMA queues below 64 KB), put back with keys on partitions
+for P V by PE transposes. K and V stream from HBM once. With bs * d * itemsize under 64 KB the
+per-head K^T loads are what bounds the kernel (bench/nki_kernels.py: block size 128 vs 256).
+Scores, softmax statistics and the output accumulate in fp32; P is cast to the input dtype for
+the P V matmul.
 """
 from __future__ import annotations
+
+import torch
 
 from .. import nki
 from ..nki import isa as nisa
 from ..nki import language as nl
+from ..nki.dtypes import to_torch
 
 P = 128
 CHUNK = 512
 NEG = -3.0e38
+PSUM_BANK = 2048  # bytes of a partition's PSUM bank
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_shapes(q, k_cache, v_cache, block_table) -> tuple:
+class UnsupportedInput(ValueError):
+    """Well-formed operands the kernel does not take (a head dim, dtype, query rows or block
+    size outside its constraints): callers may fall back to `generic`."""
+
+
+def check_shapes(q, kv_cache, block_table) -> tuple:
+    """(B, T, Hq, d, Hkv, bs, max_blocks, group) of valid operands; raises naming the rule."""
+    if len(q.shape) != 4 or len(kv_cache.shape) != 4 or len(block_table.shape) != 2:
+        raise ValueError(f"decode_attention: q must be [B, T, Hq, d], kv_cache [blocks, Hkv, 2 * block_size, d] "
+                         f"and block_table [B, max_blocks]; got {tuple(q.shape)}, {tuple(kv_cache.shape)}, "
+                         f"{tuple(block_table.shape)}")
     b, t, hq, d = q.shape
-    nblk, dk, hk, bs = k_cache.shape
-    if dk != d or tuple(v_cache.shape) != (nblk, bs, hk, d):
-        raise ValueError(f"decode_attention: k_cache must be [blocks, d, Hkv, bs] and v_cache [blocks, bs, Hkv, d] "
-                         f"with q's d = {d}; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, hk, rows, dk = kv_cache.shape
+    dtype, kv_dtype = to_torch(q.dtype), to_torch(kv_cache.dtype)
+    if dtype not in DTYPES or kv_dtype != dtype:
+        raise UnsupportedInput(f"decode_attention: q and kv_cache must share one dtype of bf16, fp16 or fp32; "
+                        f"got {dtype} and {kv_dtype}")
+    if dk != d or rows % 2:
+        raise ValueError(f"decode_attention: kv_cache must be [blocks, Hkv, 2 * block_size, d] with q's head dim "
+                         f"d = {d}; got {tuple(kv_cache.shape)}")
+    if d > P:
+        raise UnsupportedInput(f"decode_attention: head dim {d} is over {P} (the kernel contracts over d in one "
+                               f"pass of {P} partitions); the kernel takes head dims <= {P}")
     if hq % hk:
         raise ValueError(f"decode_attention: {hq} query heads are not a multiple of {hk} key/value heads")
-    if t * hq > P or d > P:
-        raise ValueError(f"decode_attention: T * Hq = {t * hq} score rows and d = {d} must be at most {P}")
-    if not (P % bs == 0 or bs % P == 0):
-        raise ValueError(f"decode_attention: block size {bs} must divide {P} or be a multiple of it")
-    maxb = block_table.shape[1]
-    return b, t, hq, d, hk, bs, maxb, hq // hk
+    if t * hq > P:
+        raise UnsupportedInput(f"decode_attention: T * Hq = {t * hq} score rows (T = {t} new tokens, {hq} query "
+                               f"heads) is over {P}, the partitions of one score tile")
+    bs = rows // 2
+    if not (P % bs == 0 or (bs % P == 0 and bs <= CHUNK)):
+        raise UnsupportedInput(f"decode_attention: block size {bs} must divide {P} or be a multiple of it up to "
+                               f"{CHUNK} (the keys of one score tile)")
+    if block_table.shape[0] != b:
+        raise ValueError(f"decode_attention: block_table has {block_table.shape[0]} rows for {b} sequences")
+    return b, t, hq, d, hk, bs, block_table.shape[1], hq // hk
+
+
+def _load_unit(kv_cache, table, u0: int, w: int, hk: int, bs: int, d: int) -> tuple:
+    """K^T and V^T [d, Hkv, w] of one sequence's keys u0 .. u0 + w (one unit: a block, or the
+    blocks of 128 keys), block by block through its table row: per block, the [Hkv, bs, d] keys
+    (then values) in one transposing DMA. Each unit has its own tiles, so the DMAs of different
+    units do not wait on each other."""
+    slab = bs * d  # one (block, head) K or V run; a block's heads are 2 * slab apart
+    k_t = nl.ndarray((d, hk, w), dtype=kv_cache.dtype, buffer=nl.sbuf)
+    v_t = nl.ndarray((d, hk, w), dtype=kv_cache.dtype, buffer=nl.sbuf)
+    for i in range(u0 // bs, (u0 + w) // bs):
+        blk = table[0:1, i:i + 1]  # the block's number, read at run time
+        kk = i * bs - u0
+        for h in range(hk):  # K^T of a head: its [d, bs] slab as is, d on partitions
+            nisa.dma_copy(dst=k_t[:, h, kk:kk + bs], src=kv_cache.ap([[bs, d], [1, bs]], offset=h * 2 * slab,
+                                                                     scalar_offset=blk, indirect_dim=0))
+        # V of every head, [Hkv, bs, d] in HBM -> [d, bs, Hkv] into v_t[:, h, kk:kk + bs]
+        nisa.dma_transpose(dst=v_t.ap([[hk * w, d], [1, bs], [w, hk]], offset=kk),
+                           src=kv_cache.ap([[2 * slab, hk], [d, bs], [1, d]], offset=slab, scalar_offset=blk,
+                                           indirect_dim=0))
+    return k_t, v_t
+
+
+def _load_chunk(kv_cache, table, c0: int, n: int, unit: int, hk: int, bs: int, d: int) -> list:
+    """[(key offset in the chunk, K^T, V^T)] of the units of keys c0 .. c0 + n."""
+    return [(u, *_load_unit(kv_cache, table, c0 + u, min(unit, n - u), hk, bs, d)) for u in range(0, n, unit)]
 
 
 @nki.jit
-def decode_attention(q, k_cache, v_cache, block_table, context_lens, scale: float = 1.0):
-    b, t, hq, d, hk, bs, maxb, g = check_shapes(q, k_cache, v_cache, block_table)
+def decode_attention(q, kv_cache, block_table, context_lens, scale: float = 1.0):
+    b, t, hq, d, hk, bs, maxb, g = check_shapes(q, kv_cache, block_table)
     rows, tg = hk * t * g, t * g
     out = nl.ndarray((b, t, hq, d), dtype=q.dtype, buffer=nl.shared_hbm)
     s = nl.program_id(0)
@@ -78,24 +139,33 @@ def decode_attention(q, k_cache, v_cache, block_table, context_lens, scale: floa
     acc = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=acc, value=0.0, engine=nisa.gpsimd_engine)
     keys = maxb * bs
-    for c0 in range(0, keys, CHUNK):
-        n = min(CHUNK, keys - c0)
-        k_t = nl.ndarray((d, hk, n), dtype=k_cache.dtype, buffer=nl.sbuf)
-        v_sb = nl.ndarray((P, (n + P - 1) // P, hk, d), dtype=v_cache.dtype, buffer=nl.sbuf)
-        for i in range(c0 // bs, (c0 + n + bs - 1) // bs):
-            blk = table[0:1, i:i + 1]  # the block's number, read at run time
-            kk = i * bs - c0
-            nisa.dma_copy(dst=k_t[:, :, kk:kk + bs],
-                          src=k_cache.ap([[hk * bs, d], [bs, hk], [1, bs]], scalar_offset=blk, indirect_dim=0))
-            for r0 in range(0, bs, P):  # bs rows of V land on partitions (key mod 128)
-                key = kk + r0
-                nr = min(P, bs)
-                nisa.dma_copy(dst=v_sb[key % P:key % P + nr, key // P, :, :],
-                              src=v_cache.ap([[hk * d, nr], [d, hk], [1, d]], offset=r0 * hk * d,
-                                             scalar_offset=blk, indirect_dim=0))
+    heads_per_bank = max(1, PSUM_BANK // (d * to_torch(kv_cache.dtype).itemsize))
+    unit = max(bs, P)  # keys loaded into one pair of tiles
+    chunk = unit * max(1, CHUNK // unit)  # keys of one online-softmax step
+    starts = list(range(0, keys, chunk))
+    ahead = _load_chunk(kv_cache, table, 0, min(chunk, keys), unit, hk, bs, d)
+    for j, c0 in enumerate(starts):
+        n = min(chunk, keys - c0)
+        units = ahead
+        if j + 1 < len(starts):  # the next chunk's loads are issued before this chunk's compute
+            ahead = _load_chunk(kv_cache, table, starts[j + 1], min(chunk, keys - starts[j + 1]), unit, hk, bs, d)
         s_ps = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.psum)
-        for h in range(hk):
-            nisa.nc_matmul(dst=s_ps[h * tg:(h + 1) * tg, :], stationary=q_t[h], moving=k_t[:, h, :])
+        for u, k_t, _ in units:
+            for h in range(hk):
+                nisa.nc_matmul(dst=s_ps[h * tg:(h + 1) * tg, u:u + k_t.shape[2]], stationary=q_t[h],
+                               moving=k_t[:, h, :])
+        # V back to keys on partitions for P V: PE transposes of 128 keys, heads grouped per PSUM bank
+        v_sb = nl.ndarray((P, (n + P - 1) // P, hk, d), dtype=kv_cache.dtype, buffer=nl.sbuf)
+        for u, _, v_t in units:
+            for c in range(0, v_t.shape[2], P):
+                w, col = min(P, v_t.shape[2] - c), (u + c) // P
+                for h0 in range(0, hk, heads_per_bank):
+                    nh = min(heads_per_bank, hk - h0)
+                    vt_ps = nl.ndarray((w, nh, d), dtype=kv_cache.dtype, buffer=nl.psum)
+                    for h in range(nh):
+                        nisa.nc_transpose(dst=vt_ps[:, h, :], data=v_t[:, h0 + h, c:c + w])
+                    nisa.tensor_copy(dst=v_sb[0:w, col, h0:h0 + nh, :], src=vt_ps,
+                                     engine=nisa.vector_engine if (col + h0) % 2 else nisa.scalar_engine)
         s_sb = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.sbuf)
         m_blk = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.range_select(dst=s_sb, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=lo,
@@ -140,24 +210,62 @@ def cache_bytes(b: int, ctx: int, hk: int, d: int, itemsize: int = 2) -> float:
     return 2.0 * b * ctx * hk * d * itemsize
 
 
-def host(q, k_cache, v_cache, block_table, context_lens, scale: float = 1.0):
-    """decode_attention's result computed with torch on the host (fp32, cast back)."""
-    check_shapes(q, k_cache, v_cache, block_table)
-    return reference(q, k_cache, v_cache, block_table, context_lens, scale).to(q.dtype)
-
-
-def reference(q, k_cache, v_cache, block_table, context_lens, scale: float):
-    """Gather each sequence's keys through its block table and attend in fp32 (test oracle)."""
-    import torch
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+            scale: float, round_p: bool) -> torch.Tensor:
+    """Attention through the block tables with torch ops (any device), scores and sums in fp32;
+    `round_p` rounds the softmax numerators to q's dtype before P V, as the kernel's p tile."""
     b, t, hq, d = q.shape
-    _, _, hk, bs = k_cache.shape
+    hk, bs = kv_cache.shape[1], kv_cache.shape[2] // 2
+    g = hq // hk
+    maxb = block_table.shape[1]
+    # every sequence's blocks: [B, max_blocks, Hkv, 2 * bs, d] -> K, V [B, Hkv, keys, d]
+    gathered = kv_cache[block_table.long()].transpose(1, 2)
+    k = gathered[:, :, :, :bs].reshape(b, hk, maxb, d, bs).transpose(-1, -2).reshape(b, hk, maxb * bs, d).float()
+    v = gathered[:, :, :, bs:].reshape(b, hk, maxb * bs, d).float()
+    qh = q.float().view(b, t, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, t * g, d)  # rows (token, member)
+    scores = (qh @ k.transpose(-1, -2)).view(b, hk, t, g, maxb * bs)
+    # token i of a sequence sees keys < len - T + i + 1
+    seen = context_lens.reshape(b, 1, 1, 1, 1).long() - t + 1 + torch.arange(t, device=q.device).view(1, 1, t, 1, 1)
+    keys = torch.arange(maxb * bs, device=q.device).view(1, 1, 1, 1, -1)
+    scores = scores.masked_fill(keys >= seen, float("-inf"))
+    p = torch.exp(scale * (scores - scores.amax(-1, keepdim=True)))
+    total = p.sum(-1, keepdim=True)
+    if round_p:
+        p = p.to(q.dtype).float()
+    out = (p / total).view(b, hk, t * g, maxb * bs) @ v
+    return out.view(b, hk, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq, d).to(q.dtype)
+
+
+def host(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+         scale: float = 1.0) -> torch.Tensor:
+    """decode_attention's result computed with torch on the host, with the kernel's numerics:
+    scores, softmax statistics and P V accumulate in fp32 from the input-dtype operands, P is
+    rounded to the input dtype before P V (as the kernel's p tile), the output cast back."""
+    check_shapes(q, kv_cache, block_table)
+    return _attend(q, kv_cache, block_table, context_lens, scale, round_p=True)
+
+
+def generic(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """The same attention for operands the kernel does not take (UnsupportedInput), as plain torch
+    ops on the tensors' device (fp32 softmax, no kernel constraints)."""
+    return _attend(q, kv_cache, block_table, context_lens, scale, round_p=False)
+
+
+def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Gather each sequence's keys through its block table and attend in fp32, one sequence
+    and token at a time (the test oracle)."""
+    b, t, hq, d = q.shape
+    hk, bs = kv_cache.shape[1], kv_cache.shape[2] // 2
     g = hq // hk
     out = torch.empty(b, t, hq, d)
     for s in range(b):
-        n = int(context_lens[s].reshape(-1)[0])
+        n = int(context_lens.reshape(-1)[s])
         blocks = block_table[s, :(n + bs - 1) // bs].long()
-        keys = k_cache[blocks].float().permute(2, 0, 3, 1).reshape(hk, -1, d)[:, :n]   # [hk, n, d]
-        vals = v_cache[blocks].float().permute(2, 0, 1, 3).reshape(hk, -1, d)[:, :n]
+        cache = kv_cache[blocks].float().transpose(0, 1)   # [hk, blocks, 2 * bs, d]
+        keys = cache[:, :, :bs].reshape(hk, -1, d, bs).transpose(-1, -2).reshape(hk, -1, d)[:, :n]  # K^T slabs
+        vals = cache[:, :, bs:].reshape(hk, -1, d)[:, :n]
         for tok in range(t):
             seen = n - t + tok + 1
             qh = q[s, tok].float().view(hk, g, d)

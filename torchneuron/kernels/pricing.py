@@ -18,6 +18,16 @@ is extended (assumptions):
 Shapes the kernels do not take (head dim over 128, unequal q/k and v head dims, a query
 head count not a multiple of the key/value heads', or a backward whose K, V, Q, dO do not fit
 SBUF) return None and keep the formula's price.
+
+Decode (paged) attention, `decode_attention.decode_attention` (the serving backend's decode
+step), is priced the same way by `decode_attention_seconds` (category "paged_attention"),
+cached per shape, dtype and target. Its batch and context are extended from short runs when
+the problem is larger than `DECODE_SIM_KEYS` keys in all (assumptions):
+- sequences are independent and alike (one program each, the same blocks walked): the
+  latency is linear in the batch past 4 sequences, fitted from runs of 2 and 4 (the first
+  sequence's ramp-up is in both);
+- 512-key chunks of a sequence's walk are alike: the one- and two-sequence latencies are
+  linear in the context past 2048 keys, fitted from runs at 1024 and 2048 keys.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ import torch
 from ..hardware import model as _model
 from ..hardware.targets import Target
 from ..nki import typing as nt
+from . import decode_attention as da
 from . import flash_attention as fa
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -98,9 +109,62 @@ def attention_seconds(target: Target, name: str, ins: Sequence, outs: Sequence) 
         return None
 
 
+DECODE_SIM_KEYS = 8192  # keys over all sequences up to which a decode step is simulated whole
+_FIT_DECODE_KEYS = (1024, 2048)
+_FIT_SEQUENCES = (2, 4)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_run(target: Target, programs: int, t: int, hq: int, hk: int, d: int, bs: int, blocks: int,
+                dtype: torch.dtype) -> float:
+    """Simulated latency of `programs` sequences walking `blocks` cache blocks each."""
+    args = (nt.tensor[(programs, t, hq, d), dtype], nt.tensor[(programs * blocks, hk, 2 * bs, d), dtype],
+            nt.tensor[(programs, blocks), torch.int32], nt.tensor[(programs, 1), torch.int32])
+    _, stats = da.decode_attention[programs].run(args, {"scale": d ** -0.5}, target=target)
+    return stats.latency_s
+
+
+def _decode_walk(target: Target, programs: int, t: int, hq: int, hk: int, d: int, bs: int, blocks: int,
+                 dtype: torch.dtype) -> float:
+    """Latency of `programs` sequences of `blocks` blocks each: simulated up to the longer fit
+    length, linear in the keys past it (module doc)."""
+    fit1, fit2 = (max(1, -(-k // bs)) for k in _FIT_DECODE_KEYS)
+    if blocks <= fit2:
+        return _decode_run(target, programs, t, hq, hk, d, bs, blocks, dtype)
+    short = _decode_run(target, programs, t, hq, hk, d, bs, fit1, dtype)
+    long = _decode_run(target, programs, t, hq, hk, d, bs, fit2, dtype)
+    return long + (long - short) / (fit2 - fit1) * (blocks - fit2)
+
+
+def decode_kernel_seconds(target: Target, b: int, t: int, hq: int, hk: int, d: int, bs: int, blocks: int,
+                          dtype: torch.dtype) -> float:
+    """Modeled latency of the decode-attention kernel over `b` sequences of `t` new tokens, each
+    walking `blocks` blocks of `bs` keys: simulated whole when small, else extended (module doc)."""
+    if b * blocks * bs <= DECODE_SIM_KEYS:
+        return _decode_run(target, b, t, hq, hk, d, bs, blocks, dtype)
+    if b <= _FIT_SEQUENCES[0] or b in _FIT_SEQUENCES:
+        return _decode_walk(target, b, t, hq, hk, d, bs, blocks, dtype)
+    few, more = (_decode_walk(target, n, t, hq, hk, d, bs, blocks, dtype) for n in _FIT_SEQUENCES)
+    return more + (more - few) / (_FIT_SEQUENCES[1] - _FIT_SEQUENCES[0]) * (b - _FIT_SEQUENCES[1])
+
+
+def decode_attention_seconds(target: Target, name: str, ins: Sequence, outs: Sequence) -> float | None:
+    """The performance model's pricer for the paged-attention category: `decode_attention(q,
+    kv_cache, block_table, context_lens)` by the kernel; None for operands it refuses."""
+    if len(ins) < 4:
+        return None
+    try:
+        b, t, hq, d, hk, bs, blocks, _ = da.check_shapes(*(nt.tensor[shape, dtype] for dtype, shape in ins[:3]))
+    except (TypeError, ValueError):
+        return None
+    return decode_kernel_seconds(target, b, t, hq, hk, d, bs, blocks, ins[0][0])
+
+
 def install() -> None:
     """Price attention ops by the NKI kernels (called once when torchneuron is imported)."""
     _model.register_kernel_pricer("attention", attention_seconds)
+    _model.register_kernel_pricer("paged_attention", decode_attention_seconds)
 
 
-__all__ = ["attention_seconds", "install", "kernel_seconds"]
+__all__ = ["DECODE_SIM_KEYS", "attention_seconds", "decode_attention_seconds", "decode_kernel_seconds", "install",
+           "kernel_seconds"]

@@ -5,16 +5,19 @@ neuron tensors, in eager mode and under torch.compile.
 - `flash_attention(q, k, v, causal, scale)`: [S, d] single-head attention (forward kernel).
 - `attention(q, k, v, causal, scale, window)`: [B, H, S, d] multi-head attention (GQA/MQA,
   causal, sliding window) with the forward and backward flash-attention kernels.
-- `paged_decode_attention(q, k_cache, v_cache, block_table, context_lens, scale)`: a few new
-  tokens per sequence against a block-table KV cache.
+- `paged_decode_attention(q, kv_cache, block_table, context_lens, scale)`: a few new tokens
+  per sequence against vLLM's paged KV cache through each sequence's block table.
 - `router_topk(x, w, k)`, `grouped_matmul(x, w, block_expert)`: MoE routing and the blockwise
   grouped matmul (forward only: no weight-gradient kernel yet).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..nki import nki_op, register_autograd
+from ..ops import policy
 from . import attention, norms
 from . import decode_attention, moe
 from . import flash_attention as mha
@@ -101,19 +104,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return out.reshape(b, hq, sq, d)
 
 
+_warned: set[str] = set()
+
+
+def fallback_once(error: Exception) -> None:
+    """An NKI kernel refused well-formed operands: in strict mode (TORCHNEURON_STRICT=1) raise,
+    else warn once per reason that the generic implementation runs instead."""
+    if policy.is_strict():
+        raise type(error)(f"{error} (strict mode forbids the generic fallback; unset TORCHNEURON_STRICT)") from error
+    if str(error) not in _warned:
+        _warned.add(str(error))
+        warnings.warn(f"{error}; running the generic implementation instead (warned once)", stacklevel=3)
+
+
 # -- decode (paged) attention (decode_attention.py) --------------------------------------------
+# (computes with its host path unless NKI_SIMULATOR=1; on neuron tensors it is charged the kernel's
+# latency as kernels/pricing.py prices it: simulated, extended from short runs for large batches)
 decode_attention_op = nki_op("nki_kernels::decode_attention", decode_attention.decode_attention,
-                             grid=_heads, arg_types={"scale": float}, host=decode_attention.host)
+                             grid=_heads, arg_types={"scale": float}, host=decode_attention.host,
+                             priced_as="nki_kernels::decode_attention")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
-    """Attention of q [B, T, Hq, d] (T new tokens) against each sequence's cached keys:
-    k_cache [blocks, d, Hkv, bs], v_cache [blocks, bs, Hkv, d], block_table [B, max_blocks],
-    context_lens [B] (the new tokens included). Returns [B, T, Hq, d]."""
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention of q [B, T, Hq, d] (T new tokens per sequence) against each sequence's cached keys
+    in vLLM's paged layout: kv_cache [blocks, Hkv, 2 * block_size, d] (per block and head, the
+    keys' rows then the values'), block_table [B, max_blocks], context_lens [B] (the new tokens
+    included). Returns [B, T, Hq, d]."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return decode_attention_op(q.contiguous(), k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+    try:
+        decode_attention.check_shapes(q, kv_cache, block_table)
+    except decode_attention.UnsupportedInput as error:
+        fallback_once(error)
+        return decode_attention.generic(q, kv_cache, block_table, context_lens, scale)
+    if not kv_cache.is_contiguous():
+        raise ValueError("paged_decode_attention: kv_cache must be contiguous (the kernel addresses its blocks "
+                         "by row-major offsets); pass vLLM's cache tensor itself, viewed as [blocks, Hkv, 2 * bs, d]")
+    return decode_attention_op(q.contiguous(), kv_cache, block_table.to(torch.int32).contiguous(),
                                context_lens.to(torch.int32).reshape(-1, 1).contiguous(), scale)
 
 

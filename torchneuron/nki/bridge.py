@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import settings
-from .jit import Kernel, jit
+from .jit import Kernel, KernelStats, jit
 from .on_device import call_on_device, has_neuron_tensors
 from .typing import TensorType
 
@@ -36,15 +36,18 @@ def _annotation(param: inspect.Parameter) -> Any:
 def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1,
            grid: Sequence[int] | Callable[..., tuple] | None = None,
            arg_types: dict | None = None, mutates_args: Sequence[str] = (),
-           host: Callable | None = None) -> Any:
+           host: Callable | None = None, priced_as: str | None = None) -> Any:
     """Register `kernel` as the torch custom op `qualname` ("namespace::name").
 
     Parameters without defaults are tensors; ones with int/float/bool defaults are scalars
     (override with `arg_types={"name": float}`). `grid` is a launch grid, or a function of
     the op's arguments that returns one (e.g. one program per head). `host` is a host
     implementation with the kernel's numerics: unless NKI_SIMULATOR=1 the op computes with it
-    and, on neuron tensors, charges the kernel's timing-only latency (cached per signature).
-    The op returns `num_outputs` tensors. Its
+    and, on neuron tensors, charges the kernel's timing-only latency (cached per signature),
+    or with `priced_as` (an op name of the performance model) what the model charges that op,
+    `hardware.model.op_cost(priced_as, input signatures)`: a kernel pricer registered for its
+    category extends the kernel's timing-only runs to shapes too large to simulate whole
+    (kernels/pricing.py). The op returns `num_outputs` tensors. Its
     fake implementation runs the kernel timing-only on shape placeholders to learn the
     output shapes and dtypes, so `torch.compile` can trace it. Returns the custom op
     (callable; also reachable as `torch.ops.<namespace>.<name>`).
@@ -67,8 +70,9 @@ def nki_op(qualname: str, kernel: Any, *, num_outputs: int = 1,
     def impl(*args, **kwargs):
         if host is not None and not settings.current().nki_simulator:
             if has_neuron_tensors(args, kwargs):
-                out = call_on_device(launch(args), args, kwargs, host=host,
-                                     timing=lambda: _timing(launch(args), args, kwargs))
+                timing = ((lambda: _priced(priced_as, args)) if priced_as else
+                          (lambda: _timing(launch(args), args, kwargs)))
+                out = call_on_device(launch(args), args, kwargs, host=host, timing=timing)
             else:
                 out = host(*args, **kwargs)
         else:
@@ -117,6 +121,15 @@ def _timing(kernel: Kernel, args: tuple, kwargs: dict) -> Any:
             _timings.clear()
         _timings[key] = stats
     return stats
+
+
+def _priced(op: str, args: tuple) -> KernelStats:
+    """KernelStats of the performance model's price of `op` on the arguments' signatures."""
+    from torchneuron.hardware import get_target, model
+    sigs = [(a.dtype, tuple(a.shape)) for a in args if isinstance(a, torch.Tensor)]
+    cost = model.op_cost(op, sigs, sigs[:1])
+    return KernelStats(target=get_target().name, latency_s=cost.duration_s, instructions=0,
+                       engine_busy_s={cost.engine: cost.duration_s}, flops=cost.flops, hbm_bytes=cost.bytes)
 
 
 def _torch_dtype(d: Any) -> torch.dtype:

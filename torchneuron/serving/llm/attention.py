@@ -3,9 +3,11 @@
 vLLM's scheduler, block tables and metadata are the CPU backend's (same KV-cache layout:
 [blocks, kv_heads, block_size, 2 * head_size], K and V halves of each block row); the two
 device-side steps of every layer, writing the step's keys/values into their cache slots and
-attending over each sequence's cached context (prefill chunks and decodes in one kernel), are the
-neuron kernels `neuron_serving::reshape_and_cache` and `neuron_serving::paged_attention`
-(kernels.py), so each is one kernel on the device timeline priced by the context it reads.
+attending over each sequence's cached context, are neuron kernels (kernels.py): the KV-cache write
+`neuron_serving::reshape_and_cache`; attention of a decode step through the NKI decode-attention
+kernel `nki_kernels::decode_attention` (vLLM's cache layout and block table, charged the kernel's
+simulated latency), of a step with prefill chunks through `neuron_serving::paged_attention`
+(prefill chunks and decodes in one kernel, priced by the context it reads).
 """
 from __future__ import annotations
 
@@ -15,14 +17,21 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata, CPUAttentionMetadataBuilder,
 )
 
+from torchneuron.serving.llm import kernels
 from torchneuron.serving.llm.kernels import ops
 from torchneuron.serving.llm.platform import ATTENTION_BACKEND as NAME
 
 
+def _rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A [blocks, kv_heads, block_size, 2 * head_size] cache as [blocks, kv_heads, 2 * block_size,
+    head_size]: each block's key rows, then its value rows."""
+    blocks, kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(blocks, kv_heads, 2 * block_size, -1)
+
+
 def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V views of a [blocks, kv_heads, block_size, 2 * head_size] cache."""
-    blocks, kv_heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+    return _rows(kv_cache).chunk(2, dim=2)
 
 
 class NeuronAttentionImpl(CPUAttentionBackendImpl):
@@ -47,11 +56,10 @@ class NeuronAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata.dynamic_causal is not None:
             raise NotImplementedError(f"{NAME} has no per-request causal mask.")
         n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = _split(kv_cache)
-        ops.paged_attention(query[:n], key_cache, value_cache, output[:n], attn_metadata.query_start_loc,
-                            attn_metadata.seq_lens, self.scale, attn_metadata.causal, self.alibi_slopes,
-                            self.sliding_window, attn_metadata.block_table, float(self.logits_soft_cap),
-                            attn_metadata.scheduler_metadata, self._sinks())
+        kernels.paged_attention(query[:n], _rows(kv_cache), output[:n], attn_metadata.query_start_loc,
+                                attn_metadata.seq_lens, layer.isa, self.scale, attn_metadata.causal, self.alibi_slopes,
+                                self.sliding_window, attn_metadata.block_table, float(self.logits_soft_cap),
+                                attn_metadata.scheduler_metadata, self._sinks())
         return output
 
     def _sinks(self) -> torch.Tensor | None:

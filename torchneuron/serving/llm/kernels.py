@@ -7,6 +7,11 @@ NeuronCore's kernels run on the host; the arithmetic is vLLM's own CPU kernels, 
 vLLM's CPU platform bit for bit), then charges one kernel to the device timeline priced by the
 performance model. Paged attention is priced from the step's per-sequence query and context
 lengths (hardware.model.paged_attention_cost), i.e. by the cached context actually attended.
+
+`paged_attention` (the attention backend's entry) sends a decode step instead to the NKI
+decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_attention`): it
+reads vLLM's cache through the block table, computes on the host with the kernel's numerics and
+is charged the kernel's simulated latency (kernels/pricing.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import torch
 from torchneuron import eager, runtime
 from torchneuron.hardware import model as perf_model
 from torchneuron.hardware.worklog import charge
+from torchneuron.kernels import decode_attention as nki_decode
+from torchneuron.kernels import torch_ops as nki_ops
 
 _LIB = torch.library.Library("neuron_serving", "DEF")
 _LIB.define("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()")
@@ -109,6 +116,74 @@ def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq
         q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
         dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
     _charge("paged_attention", cost, query)
+
+
+def _decode_tokens(query_start_loc: torch.Tensor, heads: int) -> int:
+    """T if every sequence of the step has the same T new tokens and T * heads score rows fit one
+    tile of the NKI decode kernel (a decode step), else 0 (a step with prefill chunks)."""
+    starts = _host(query_start_loc).tolist()
+    q_lens = {b - a for a, b in zip(starts, starts[1:])}
+    t = q_lens.pop() if len(q_lens) == 1 else 0
+    return t if 0 < t and t * heads <= nki_decode.P else 0
+
+
+DECODE_ISA = "vec"  # the vLLM CPU kernels whose KV-cache layout the NKI decode kernel reads
+
+
+def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, block_table: torch.Tensor, isa: str,
+                    causal: bool, alibi_slopes, sliding_window: int, softcap: float, sinks) -> str | None:
+    """Why the NKI decode kernel cannot run this layer's decode step, or None."""
+    if isa != DECODE_ISA:
+        return (f"the NKI decode-attention kernel reads the KV-cache layout of vLLM's {DECODE_ISA!r} CPU kernels; "
+                f"this cache is laid out for {isa!r} (head size {query.shape[-1]}, "
+                f"block size {kv_cache.shape[2] // 2})")
+    features = [("ALiBi slopes", alibi_slopes is not None), ("a sliding window", sliding_window > 0),
+                ("logits soft-capping", softcap > 0), ("attention sinks", sinks is not None),
+                ("non-causal attention", not causal)]
+    missing = [name for name, used in features if used]
+    if missing:
+        return f"the NKI decode-attention kernel has no {', '.join(missing)}"
+    if not kv_cache.is_contiguous():
+        return "the NKI decode-attention kernel addresses a contiguous KV cache; this one is strided"
+    try:
+        nki_decode.check_shapes(query[:t].unsqueeze(0), kv_cache, block_table[:1])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, isa: str, scale: float, causal: bool, alibi_slopes: torch.Tensor | None,
+                    sliding_window: int, block_table: torch.Tensor, softcap: float,
+                    scheduler_metadata: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """One layer's attention over a step's sequences into `output`. kv_cache is vLLM's cache viewed
+    [blocks, kv_heads, 2 * block_size, head_size] (each block's keys, then its values, as vLLM's
+    CPU kernels for `isa` lay them out).
+
+    A decode step (every sequence T new tokens, T * heads <= 128) runs the NKI decode-attention
+    kernel (`nki_kernels::decode_attention`, charged its simulated latency) over the block table's
+    first ceil(max context / block size) columns; a step with prefill chunks runs
+    `neuron_serving::paged_attention`. A decode step the kernel cannot take (a feature it lacks,
+    a head size, block size or cache layout outside its constraints) warns once and runs the
+    latter too; strict mode (TORCHNEURON_STRICT=1) raises instead."""
+    t = _decode_tokens(query_start_loc, query.shape[1])
+    if t:
+        reason = _decode_refusal(kv_cache, query, t, block_table, isa, causal, alibi_slopes, sliding_window, softcap,
+                                 sinks)
+        if reason is None:
+            _ready()
+            b = query.shape[0] // t
+            bs = kv_cache.shape[2] // 2
+            lens = seq_lens[:b]
+            width = -(-int(_host(lens).max()) // bs)
+            table = block_table[:b, :width].contiguous()
+            out = nki_ops.paged_decode_attention(query.view(b, t, *query.shape[1:]), kv_cache, table, lens, scale)
+            output.view(out.shape).copy_(out)
+            return
+        nki_ops.fallback_once(nki_decode.UnsupportedInput(reason))
+    key_cache, value_cache = kv_cache.chunk(2, dim=2)
+    ops.paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
+                        alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, sinks)
 
 
 for _name, _fn in [("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rms_norm),
