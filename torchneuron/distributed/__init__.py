@@ -20,7 +20,9 @@ TORCHNEURON_DIST_OVERLAP=0 charges collectives on the issuing stream (no modeled
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import warnings
 
 import torch.distributed as dist
 
@@ -38,7 +40,24 @@ def _create_process_group(store: dist.Store, rank: int, size: int, timeout: date
     dispatch.install()
     if not dist.is_initialized():  # the default group: put this rank on its device
         select_local_device()
+        atexit.register(_release_at_exit)
     return NeuronProcessGroup(store, rank, size, timeout)
+
+
+def _release_at_exit() -> None:
+    """Destroys the neuron process groups a program left alive, while the interpreter still runs.
+
+    Left to the interpreter's finalization, a gloo thread finishing a collective (an unwaited async
+    one, say) drops the work's thread-local state, which holds Python objects; taking the GIL after
+    finalization began ends that thread by a forced unwind through a noexcept destructor, and the
+    process aborts ("terminate called without an active exception"). atexit runs before that, so the
+    groups' threads finish and join here, as after `destroy_process_group()`."""
+    if not dist.is_initialized() or dist.get_backend() != "neuron":
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as error:  # exiting anyway: say why the groups could not be released
+        warnings.warn(f"torchneuron: destroying the neuron process groups at exit failed: {error}", stacklevel=1)
 
 
 def register() -> None:
