@@ -22,6 +22,7 @@ is imported; torchtitan itself is not changed.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -138,8 +139,20 @@ def _select_device(device: str) -> None:
                            f"imported before torchneuron registered the device, or torch.{device} is unavailable")
 
 
+def _set_timeout(timeout: "datetime.timedelta", group: "torch.distributed.ProcessGroup | None" = None) -> None:
+    """`torch.distributed.set_timeout` of PyTorch after 2.13, which torchtitan 0.3.0 calls after the
+    first step: torch 2.13 has it as `distributed_c10d._set_pg_timeout`."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def rank_main(device: str, titan_args: Sequence[str]) -> None:
     """One torchrun rank: chooses the device, then runs torchtitan's training entry point."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = _set_timeout
     _select_device(device)
     from torchtitan import train
 
