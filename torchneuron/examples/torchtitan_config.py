@@ -1,8 +1,9 @@
 """The torchtitan config this package trains on neuron: torchtitan's own Llama-3 debug model
 (`llama3_debugmodel`), small enough for a host, with every loss written to a file.
 
-torchtitan loads it by module path (`--module torchneuron.examples.torchtitan_config --config
-llama3_debugmodel_neuron`), after the rank has chosen its device: this module imports torchtitan,
+torchtitan loads it by module name (`--module torchtitan_config --config llama3_debugmodel_neuron`:
+torchtitan_llama.py runs its ranks as a script from this folder, so a CPU reference rank never
+imports torchneuron), after the rank has chosen its device: this module imports torchtitan,
 whose `torchtitan.tools.utils` fixes the device type when it is first imported
 (torchtitan_llama.py's rank entry point sees to the order). Everything else is torchtitan's:
 the model, its parallelisms, selective activation checkpointing, AdamW, the warmup schedule and

@@ -34,7 +34,9 @@ from typing import Sequence
 
 import torch
 
-CONFIG = ["--module", "torchneuron.examples.torchtitan_config", "--config", "llama3_debugmodel_neuron"]
+# The ranks run this file as a script, so torchtitan_config.py beside it imports as a top-level
+# module: a CPU reference rank then never imports torchneuron (see `_torchrun`).
+CONFIG = ["--module", "torchtitan_config", "--config", "llama3_debugmodel_neuron"]
 SEED_CHECKPOINT = "seed"
 VOCAB_SIZE = 2048  # the debug model's embedding rows; the tokenizer stays below
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -90,7 +92,6 @@ class CpuDevice:
     own functions, a name and the host's memory as capacity; the host keeps no allocator
     statistics, so torchtitan's memory report reads -1."""
 
-    current_device = staticmethod(torch.cpu.current_device)
     device_count = staticmethod(torch.cpu.device_count)
     set_device = staticmethod(torch.cpu.set_device)
     synchronize = staticmethod(torch.cpu.synchronize)
@@ -99,6 +100,10 @@ class CpuDevice:
     class _Properties:
         name = "cpu"
         total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    @staticmethod
+    def current_device() -> int:  # an index, as barrier(device_ids=...) takes (torch.cpu's is "cpu")
+        return 0
 
     @staticmethod
     def get_device_name(device: object = None) -> str:
@@ -121,12 +126,49 @@ class CpuDevice:
         return None
 
 
+def _cpu_flex_attention_backward() -> None:
+    """Lets the CPU reference train FlexAttention: PyTorch 2.13 refuses its backward for CPU inputs
+    (Inductor's CPU template has none; the check is in `flex_attention` itself, so no backend
+    passes it), although the higher-order op's eager implementation, the one the neuron device
+    runs, has one. The reference lifts that check for CPU inputs and compiles FlexAttention with
+    the `aot_eager` backend (the eager implementation under AOTAutograd), as neuron runs it."""
+    import torch.nn.attention.flex_attention as flex
+
+    refuse = flex._validate_device
+
+    def validate_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type != "cpu":
+            refuse(query, key, value)
+
+    flex._validate_device = validate_device
+    torch.compiler.set_default_backend("aot_eager")
+
+
+def _gloo_fsdp_sum_reduction() -> None:
+    """Lets the CPU reference run torchtitan's FSDP2 on gloo: torchtitan sets FSDP's gradient divide
+    factor to 1 (it scales by the global token count itself), which FSDP2 reduce-scatters with
+    `ReduceOp.PREMUL_SUM(1.0)`, and gloo has no PREMUL_SUM. The reference reduces with SUM instead
+    (FSDP's `set_force_sum_reduction_for_comms`), the same values for a factor of 1."""
+    from torch.distributed.fsdp import FSDPModule
+
+    set_factor = FSDPModule.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(self: FSDPModule, factor: float) -> None:
+        set_factor(self, factor)
+        if factor == 1.0:
+            self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
 def _select_device(device: str) -> None:
     """Makes torchtitan's device `device` (call before any other torchtitan import)."""
     import torchtitan.tools.utils as titan_utils
 
     if device == "cpu":
         titan_utils.device_type, titan_utils.device_module = "cpu", CpuDevice
+        _cpu_flex_attention_backward()
+        _gloo_fsdp_sum_reduction()
         return
     import torchneuron  # noqa: F401  (the device and its c10d backend; `import torch` loads it too)
 
@@ -176,12 +218,13 @@ def launch(nproc: int, titan_args: Sequence[str], *, device: str = "neuron", dum
     seed checkpoint in `assets` (made on first use). Raises with the ranks' output on failure."""
     dump = Path(dump)
     assets = Path(assets) if assets is not None else dump.parent / "assets"
-    args = _assets_args(assets, dump) + ["--checkpoint.initial_load_path", str(seed_checkpoint(assets))]
+    args = _assets_args(assets, dump) + ["--checkpoint.enable", "--checkpoint.initial_load_path",
+                                         str(seed_checkpoint(assets))]
     if compile:
         args += ["--compile.enable", "--compile.backend", "neuron"]
     for stale in dump.glob("losses_rank*.jsonl"):  # a resumed job appends to a fresh record
         stale.unlink()
-    _torchrun(nproc, device, args + list(titan_args), timeout, env)
+    _torchrun(nproc, device, args + list(titan_args), timeout, env, log=dump / "torchrun.log")
     return read_losses(dump)
 
 
@@ -207,13 +250,19 @@ def read_losses(dump: str | os.PathLike) -> list[dict]:
     raise RuntimeError(f"no rank wrote losses under {dump}")
 
 
-def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float, env: dict[str, str] | None) -> None:
+def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float, env: dict[str, str] | None,
+              log: Path | None = None) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", __name__, "--rank", "--device", device, "--", *titan_args]
+               os.path.abspath(__file__), "--rank", "--device", device, "--", *titan_args]
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                **(env or {})}
+    if device == "cpu":  # the reference is stock PyTorch: `import torch` must not load torchneuron either
+        environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     result = subprocess.run(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=timeout)
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        Path(log).write_text(result.stdout)
     if result.returncode != 0:
         raise RuntimeError(f"torchtitan on {nproc} {device} rank(s) exited with {result.returncode}:\n"
                            f"{' '.join(command)}\n{result.stdout[-6000:]}")
