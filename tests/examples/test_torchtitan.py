@@ -40,7 +40,7 @@ def assert_same_losses(neuron, cpu):
         assert n["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-3), (neuron, cpu)
 
 
-@pytest.mark.parametrize("name,args", [("fsdp", FSDP), ("tp", TP), ("pp", PP)])
+@pytest.mark.parametrize("name,args", [("fsdp", FSDP), ("tp", TP), ("pp", PP)], ids=["fsdp", "tp", "pp"])
 def test_two_ranks_match_cpu_gloo(folder, name, args):
     neuron = run(folder, name, "neuron", 2, args)
     assert [r["step"] for r in neuron] == [1, 2]

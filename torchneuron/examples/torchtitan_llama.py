@@ -256,6 +256,9 @@ def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float
                os.path.abspath(__file__), "--rank", "--device", device, "--", *titan_args]
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                **(env or {})}
+    # the ranks import the torchneuron this launcher is part of (not another one installed)
+    package_root = str(Path(__file__).resolve().parents[2])
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, environ.get("PYTHONPATH", "")) if p)
     if device == "cpu":  # the reference is stock PyTorch: `import torch` must not load torchneuron either
         environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     result = subprocess.run(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
