@@ -1,5 +1,5 @@
 """torchtitan 0.3.0's Llama-3 debug model (FlexAttention, selective activation checkpointing) trained
-by torchtitan's own trainer under torchrun on 2 neuron ranks with FSDP2, TP and PP: each run's losses
+by torchtitan's own trainer under torchrun on 2 neuron ranks with FSDP2 and TP: each run's losses
 and gradient norms equal the same run on CPU + gloo; a DCP checkpoint saved by 2 FSDP2 ranks resumes
 on 1 rank (neuron and CPU resume to the same loss). Every run starts from one seed checkpoint."""
 from __future__ import annotations
@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(90
 
 FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
 TP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-PP = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-      "--parallelism.data_parallel_shard_degree", "1"]
+# No PP: torchtitan 0.3.0 calls `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`, an API of
+# PyTorch after 2.13, whose schedules take whole batches and split them again ("Expecting 2 arg_mbs
+# but got 1") on any device.
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def assert_same_losses(neuron, cpu):
         assert n["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-3), (neuron, cpu)
 
 
-@pytest.mark.parametrize("name,args", [("fsdp", FSDP), ("tp", TP), ("pp", PP)], ids=["fsdp", "tp", "pp"])
+@pytest.mark.parametrize("name,args", [("fsdp", FSDP), ("tp", TP)], ids=["fsdp", "tp"])
 def test_two_ranks_match_cpu_gloo(folder, name, args):
     neuron = run(folder, name, "neuron", 2, args)
     assert [r["step"] for r in neuron] == [1, 2]
