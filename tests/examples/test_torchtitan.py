@@ -1,7 +1,8 @@
 """torchtitan 0.3.0's Llama-3 debug model (FlexAttention, selective activation checkpointing) trained
 by torchtitan's own trainer under torchrun on 2 neuron ranks with FSDP2 and TP: each run's losses
 and gradient norms equal the same run on CPU + gloo; a DCP checkpoint saved by 2 FSDP2 ranks resumes
-on 1 rank (neuron and CPU resume to the same loss). Every run starts from one seed checkpoint."""
+on 1 rank (neuron and CPU resume to the same loss); the loss compiled with backend "neuron" equals
+the eager CPU run. Every run starts from one seed checkpoint."""
 from __future__ import annotations
 
 import shutil
@@ -63,3 +64,13 @@ def test_dcp_checkpoint_of_two_ranks_resumes_on_one(folder):
         losses[device] = torchtitan_llama.launch(1, resume, device=device, dump=dump, assets=folder / "assets")
     assert [r["step"] for r in losses["neuron"]] == [3]
     assert_same_losses(losses["neuron"], losses["cpu"])
+
+
+def test_compiled_loss_backend_neuron_matches_cpu_eager(folder):
+    """torchtitan's compile option with backend "neuron" on the loss (the FlexAttention model's
+    blocks: torchtitan accepts only "inductor"/"aot_eager" for them) equals the eager CPU run."""
+    compiled = run(folder, "compiled", "neuron", 2,
+                   FSDP + ["--compile.enable", "--compile.components", "loss", "--compile.backend", "neuron"])
+    cpu_dump = folder / "fsdp_cpu"
+    cpu = torchtitan_llama.read_losses(cpu_dump) if cpu_dump.exists() else run(folder, "fsdp", "cpu", 2, FSDP)
+    assert_same_losses(compiled, cpu)

@@ -2,7 +2,7 @@
 
     python -m torchneuron.examples.torchtitan_llama --nproc 2                 # FSDP2 on 2 ranks
     python -m torchneuron.examples.torchtitan_llama --nproc 2 -- --parallelism.tensor_parallel_degree 2
-    python -m torchneuron.examples.torchtitan_llama --nproc 2 --compile      # backend "neuron"
+    python -m torchneuron.examples.torchtitan_llama --nproc 2 --compile      # the loss, backend "neuron"
     python -m torchneuron.examples.torchtitan_llama --nproc 2 --device cpu   # the CPU + gloo reference
 
 Runs torchtitan's own trainer (`torchtitan.train.main`) unmodified on each rank, with the config
@@ -220,8 +220,8 @@ def launch(nproc: int, titan_args: Sequence[str], *, device: str = "neuron", dum
     assets = Path(assets) if assets is not None else dump.parent / "assets"
     args = _assets_args(assets, dump) + ["--checkpoint.enable", "--checkpoint.initial_load_path",
                                          str(seed_checkpoint(assets))]
-    if compile:
-        args += ["--compile.enable", "--compile.backend", "neuron"]
+    if compile:  # the loss: for a FlexAttention model torchtitan compiles blocks with inductor/aot_eager only
+        args += ["--compile.enable", "--compile.components", "loss", "--compile.backend", "neuron"]
     for stale in dump.glob("losses_rank*.jsonl"):  # a resumed job appends to a fresh record
         stale.unlink()
     _torchrun(nproc, device, args + list(titan_args), timeout, env, log=dump / "torchrun.log")
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="neuron", choices=["neuron", "cpu"])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the blocks with backend 'neuron'")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the loss with backend 'neuron'")
     parser.add_argument("--folder", default="./outputs/torchtitan_llama", help="assets and job output")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # torchrun's ranks
     args = parser.parse_args(own)
