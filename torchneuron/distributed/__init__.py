@@ -14,7 +14,7 @@ backend unchanged; `simple_fsdp` adds SimpleFSDP-style sharding that torch.compi
 Modules: process_group (the c10d interface), collectives (host data movement), host (host buffers,
 reduce ops), checks (cross-rank agreement, clear errors), work (Work objects, device timeline),
 dispatch (c10d C++ ops routed to Python), dtensor_ops (DTensor's foreach/fused optimizer ops over
-lists mixing DTensors and plain tensors), launch (local ranks, `spawn`, `RankPool`), parallel (helpers).
+lists mixing DTensors and plain tensors), dtensor_random (DTensor's random ops on neuron meshes), launch (local ranks, `spawn`, `RankPool`), parallel (helpers).
 Environment: TORCHNEURON_DIST_CHECKS=0 skips the per-collective cross-rank check (one small all-gather);
 TORCHNEURON_DIST_OVERLAP=0 charges collectives on the issuing stream (no modeled overlap).
 """

@@ -15,6 +15,7 @@ It also gives DTensor the sharding rule it lacks for fused SGD and Adagrad and f
 (all index-wise pointwise, like the fused Adam ops DTensor already covers), so `fused=True` and Rprop's
 foreach step work on FSDP2 and TP parameters.
 
+`install()` also installs DTensor's RNG tracker for neuron meshes (dtensor_random.py).
 `install_when_loaded()` defers all of this until torch.distributed.tensor is imported (DTensor's import
 costs seconds that DDP-only jobs need not pay).
 """
@@ -107,10 +108,14 @@ def _lower(result: Any, plain: set[int], length: int) -> Any:
 
 
 def install() -> None:
-    """Registers the mixed-list handler and the missing pointwise rules with DTensor (idempotent)."""
+    """Registers the mixed-list handler and the missing pointwise rules with DTensor, and the RNG
+    tracker of neuron meshes (dtensor_random.py) (idempotent)."""
     global _installed
     if _installed:
         return
+    from torchneuron.distributed import dtensor_random
+
+    dtensor_random.install()
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
 
