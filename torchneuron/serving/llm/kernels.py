@@ -23,6 +23,7 @@ import torch
 
 from torchneuron import eager, runtime
 from torchneuron.hardware import model as perf_model
+from torchneuron.hardware.targets import get_target
 from torchneuron.hardware.worklog import charge
 
 _LIB = torch.library.Library("neuron_serving", "DEF")
@@ -124,10 +125,19 @@ def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq
     kv_lens = lens.tolist()[:len(q_lens)]
     if sliding_window > 0:
         kv_lens = [min(s, sliding_window + q - 1) for q, s in zip(q_lens, kv_lens)]
-    cost = perf_model.paged_attention_cost(
-        q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
-        dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
+    key = (tuple(q_lens), tuple(kv_lens), query.shape[1], key_cache.shape[1], query.shape[2], key_cache.dtype,
+           key_cache.shape[2], causal, get_target().name)
+    cost = _last_attention_cost.get(key)
+    if cost is None:  # every layer of a step attends over the same lengths: priced once per step
+        cost = perf_model.paged_attention_cost(
+            q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
+            dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
+        _last_attention_cost.clear()
+        _last_attention_cost[key] = cost
     _charge("paged_attention", cost, query)
+
+
+_last_attention_cost: dict[tuple, perf_model.Cost] = {}
 
 
 for _name, _fn in [("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rms_norm),
