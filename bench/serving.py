@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+KV_CACHE_BYTES = 1 << 27  # 128 MiB: 64 sequences of 256 tokens of the tiny model fit many times over
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -32,7 +33,8 @@ def child(platform: str, model: str, tokens: int, concurrency: list[int]) -> Non
     from vllm import LLM, SamplingParams
 
     timing_dir = os.environ.get("TORCHNEURON_SERVING_TIMING_DIR")
-    llm = LLM(model, max_model_len=256, max_num_seqs=max(concurrency), gpu_memory_utilization=0.05,
+    # the same KV cache on both platforms (a share of memory means different sizes on each)
+    llm = LLM(model, max_model_len=256, max_num_seqs=max(concurrency), kv_cache_memory_bytes=KV_CACHE_BYTES,
               enforce_eager=True, seed=0, dtype="bfloat16")
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(_prompts(2), params, use_tqdm=False)  # warm-up

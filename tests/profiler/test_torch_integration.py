@@ -67,6 +67,19 @@ def test_chrome_trace_has_host_and_device_tracks(two_ops, tmp_path):
         assert any(n.startswith("neuron:0") for n in names)
 
 
+def test_trace_loader_reads_gzip_by_content_and_survives_invalid_utf8(tmp_path):
+    # Kineto copies names byte for byte: a stray continuation byte (0x9c, as in a cut-off "\u201c")
+    # must not fail the export, and a gzip'd trace is gzip whatever its file is named
+    from torchneuron.profiler.trace import load_json
+
+    raw = b'{"traceEvents": [{"name": "op \x9c", "ph": "X"}]}'
+    plain, packed = tmp_path / "plain.json", tmp_path / "packed.json"
+    plain.write_bytes(raw)
+    packed.write_bytes(gzip.compress(raw))
+    for path in (plain, packed):
+        assert load_json(str(path))["traceEvents"][0]["name"] == "op \ufffd"
+
+
 def test_schedule_records_only_active_steps_and_calls_on_trace_ready():
     ready = []
     x = torch.ones(8, device="neuron")

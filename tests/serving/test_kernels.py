@@ -232,3 +232,28 @@ def test_fused_layers_are_one_kernel_each_and_match_vllm_native(charged):
     names = [n for n in _names(charged) if n.startswith("neuron_serving::")]
     assert names == ["neuron_serving::rms_norm", "neuron_serving::fused_add_rms_norm",
                      "neuron_serving::silu_and_mul", "neuron_serving::rotary_embedding"]
+
+
+def test_bf16_norm_and_activation_equal_the_cpu_platform_bit_for_bit():
+    # vLLM's CPU platform runs RMSNorm and SiLU-and-mul as their PyTorch-native code (CustomOp's
+    # forward_cpu); its C++ kernels round once instead and differ by an ulp in about half the outputs
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from torchneuron.serving.llm import platform
+
+    platform.install()
+    bf16, dev = torch.bfloat16, torch.device("neuron")
+    with set_current_vllm_config(VllmConfig()):
+        norm, act = RMSNorm(64, eps=1e-5, dtype=bf16), SiluAndMul()
+    norm.weight.data.normal_()
+    x, residual, gate = (torch.randn(16, n, dtype=bf16) * 3 for n in (64, 64, 256))
+    expect_norm = norm.forward_native(x)
+    expect_out, expect_res = norm.forward_native(x.clone(), residual.clone())
+    expect_act = act.forward_native(gate)
+    norm_n = norm.to(dev)
+    assert torch.equal(norm_n(x.to(dev)).cpu(), expect_norm)
+    out, res = norm_n(x.to(dev), residual.to(dev))
+    assert torch.equal(out.cpu(), expect_out) and torch.equal(res.cpu(), expect_res)
+    assert torch.equal(act(gate.to(dev)).cpu(), expect_act)

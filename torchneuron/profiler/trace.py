@@ -27,10 +27,18 @@ from torchneuron.profiler.linking import BOOKKEEPING
 DEVICE_PID_BASE = 1_000_000  # pid of device n's process in the trace: DEVICE_PID_BASE + n
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def load_json(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+    """A Chrome trace as Kineto or torch wrote it: gzip'd or not whatever the file is named (told
+    apart by gzip's magic bytes), and with any bytes of invalid UTF-8 in its strings (Kineto copies
+    op and frame names byte for byte) read as U+FFFD instead of failing the export."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == _GZIP_MAGIC:
+        data = gzip.decompress(data)
+    return json.loads(data.decode("utf-8", errors="replace"))
 
 
 def save_json(data: dict, path: str) -> None:

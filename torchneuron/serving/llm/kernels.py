@@ -3,9 +3,16 @@ with the residual add), rotary embedding, SiLU-and-mul.
 
 Each is a torch op in the `neuron_serving` namespace with a PrivateUse1 kernel, so every call is
 one device kernel: it computes on zero-copy host views of the device tensors (the software
-NeuronCore's kernels run on the host; the arithmetic is vLLM's own CPU kernels, so results match
-vLLM's CPU platform bit for bit), then charges one kernel to the device timeline priced by the
-performance model. Paged attention is priced from the step's per-sequence query and context
+NeuronCore's kernels run on the host), then charges one kernel to the device timeline priced by the
+performance model. The arithmetic is what vLLM's CPU platform runs, so results match it bit for bit
+in every dtype: its C++ kernels for attention, the KV-cache write and rotary embedding; for RMSNorm
+and SiLU-and-mul, which the CPU platform runs as PyTorch-native code, the native rounding points
+(RMSNorm: normalise in float32, round to the input dtype, then multiply by the weight in its dtype;
+SiLU-and-mul: SiLU rounded to the input dtype, then the product). vLLM's C++ `rms_norm` and
+`silu_and_mul` round once, at the end: in bfloat16 about half their outputs differ by an ulp from
+the CPU platform's (and transformers'), enough to change greedy tokens. A fused kernel on the
+NeuronCore may round its float32 intermediates wherever it chooses, so these rounding points cost
+nothing on the hardware. Paged attention is priced from the step's per-sequence query and context
 lengths (hardware.model.paged_attention_cost), i.e. by the cached context actually attended.
 
 `paged_attention` (the attention backend's entry) sends a decode step instead to the NKI
@@ -21,6 +28,7 @@ import torch
 
 from torchneuron import eager, runtime
 from torchneuron.hardware import model as perf_model
+from torchneuron.hardware.targets import get_target
 from torchneuron.hardware.worklog import charge
 from torchneuron.kernels import decode_attention as nki_decode
 from torchneuron.kernels import torch_ops as nki_ops
@@ -61,15 +69,25 @@ def _ready() -> None:
         eager.flush()
 
 
+def _normalise(summed: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm of float32 rows with vLLM-native's (and transformers') rounding points."""
+    normed = summed * torch.rsqrt(summed.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed.to(weight.dtype) * weight).to(dtype)
+
+
 def _rms_norm(out, x, weight, eps):
     _ready()
-    torch.ops._C.rms_norm(_host(out), _host(x), _host(weight), eps)
+    hx = _host(x)
+    _host(out).copy_(_normalise(hx.float(), _host(weight), eps, hx.dtype))
     _charge("rms_norm", perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(weight)], [_sig(out)]), x)
 
 
 def _fused_add_rms_norm(x, residual, weight, eps):
     _ready()
-    torch.ops._C.fused_add_rms_norm(_host(x), _host(residual), _host(weight), eps)
+    hx, hres = _host(x), _host(residual)
+    summed = hx.float() + hres.float()
+    hres.copy_(summed)  # the new residual, rounded to its dtype; the norm reads the float32 sum
+    hx.copy_(_normalise(summed, _host(weight), eps, hx.dtype))
     # one pass: read x and residual, write the sum (new residual) and the normalised x
     cost = perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(residual), _sig(weight)], [_sig(x), _sig(residual)])
     _charge("fused_add_rms_norm", cost, x)
@@ -77,7 +95,9 @@ def _fused_add_rms_norm(x, residual, weight, eps):
 
 def _silu_and_mul(out, x):
     _ready()
-    torch.ops._C.silu_and_mul(_host(out), _host(x))
+    hx = _host(x)
+    half = hx.shape[-1] // 2
+    torch.mul(torch.nn.functional.silu(hx[..., :half]), hx[..., half:], out=_host(out))
     _charge("silu_and_mul", perf_model.op_cost("aten::silu", [_sig(x)], [_sig(out)]), x)
 
 
@@ -112,10 +132,19 @@ def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq
     kv_lens = lens.tolist()[:len(q_lens)]
     if sliding_window > 0:
         kv_lens = [min(s, sliding_window + q - 1) for q, s in zip(q_lens, kv_lens)]
-    cost = perf_model.paged_attention_cost(
-        q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
-        dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
+    key = (tuple(q_lens), tuple(kv_lens), query.shape[1], key_cache.shape[1], query.shape[2], key_cache.dtype,
+           key_cache.shape[2], causal, get_target().name)
+    cost = _last_attention_cost.get(key)
+    if cost is None:  # every layer of a step attends over the same lengths: priced once per step
+        cost = perf_model.paged_attention_cost(
+            q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
+            dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
+        _last_attention_cost.clear()
+        _last_attention_cost[key] = cost
     _charge("paged_attention", cost, query)
+
+
+_last_attention_cost: dict[tuple, perf_model.Cost] = {}
 
 
 def _decode_tokens(query_start_loc: torch.Tensor, heads: int) -> int:

@@ -7,6 +7,9 @@ it the local rank for the `neuron` c10d backend, size the KV cache from the devi
 (vLLM's profile run honours `gpu_memory_utilization` against the device's capacity), and refuse
 at start a cache the host memory backing the software device cannot hold.
 
+Profiling (`LLM.start_profile()`, the server's `/start_profile`) records the neuron device's
+activity and writes a Neuron Explorer profile next to vLLM's trace (profiling.py).
+
 `NeuronModelRunner` is vLLM's GPU model runner on the neuron device. The few places that name
 `torch.cuda` streams and events (async copies for speculative decoding) see `torch.neuron`'s
 while they run, and only then.
@@ -31,7 +34,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.utils import request_memory
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from torchneuron.serving.llm import platform, timing
+from torchneuron.serving.llm import platform, profiling, timing
 
 logger = init_logger(__name__)
 
@@ -87,7 +90,16 @@ class NeuronModelRunner(GPUModelRunner):
 class NeuronWorker(Worker):
     def __init__(self, vllm_config: Any, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False) -> None:
-        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        # vLLM's GPU worker refuses at construction a profiler of a device it doesn't know: it is
+        # checked here instead, and built on the first start_profile (see profile()).
+        profiler_config = vllm_config.profiler_config
+        profiling.check_config(profiler_config)
+        vllm_config.profiler_config = profiling.disabled(profiler_config)
+        try:
+            super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        finally:
+            vllm_config.profiler_config = profiler_config
+        self.profiler_config = profiler_config
         platform.install()  # this process builds the model: the neuron layers must be known here
 
     def init_device(self) -> None:
@@ -113,6 +125,12 @@ class NeuronWorker(Worker):
 
     def _make_model_runner(self) -> NeuronModelRunner:
         return NeuronModelRunner(self.vllm_config, self.device)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None, **kwargs: Any) -> None:
+        if is_start and self.profiler is None and self.profiler_config.profiler is not None:
+            self.profiler = profiling.NeuronTorchProfiler(self.profiler_config, worker_name="",
+                                                          local_rank=self.local_rank)
+        super().profile(is_start, profile_prefix, **kwargs)  # names the output, starts or stops it
 
     def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # no sleep-mode allocator on this device

@@ -1,0 +1,49 @@
+"""bfloat16 serving numerics: greedy tokens of the neuron platform equal those of vLLM's stock CPU
+platform on the same model (the kernels round where the CPU platform's PyTorch-native RMSNorm and
+SiLU-and-mul do; see kernels.py). Not transformers' generate: its attention (SDPA over the whole
+sequence) rounds differently from paged attention in bf16, and greedy tokens part after a few steps."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.serving.engine import in_process_llm
+
+PROMPTS = ["Hello, how are you", "The quick brown fox", "Paged attention reads the KV cache",
+           "0123456789 one two three"]
+TOKENS = 24
+_CPU_RUN = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=1 << 26,
+              enforce_eager=True, seed=0)
+    outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=int(sys.argv[3]),
+                                                                ignore_eos=True), use_tqdm=False)
+    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+"""
+
+
+def _cpu_platform_greedy(model: str) -> list[list[int]]:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-c", _CPU_RUN, model, json.dumps(PROMPTS), str(TOKENS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert lines, f"vLLM's CPU platform run failed:\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("TOKENS "):])
+
+
+@pytest.mark.slow
+def test_bf16_greedy_tokens_equal_vllm_cpu_platform(tiny_model):
+    from vllm import SamplingParams
+
+    model = tiny_model("llama", torch.bfloat16)
+    with in_process_llm(model, dtype="bfloat16", enforce_eager=True) as (llm, _):
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _cpu_platform_greedy(model)
