@@ -9,8 +9,10 @@ Tensor engine takes them (tests/nki/test_decode_attention.py checks it against i
 its greedy tokens may part from the CPU platform's after some steps."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,10 +38,17 @@ if __name__ == "__main__":
 
 def _cpu_platform_greedy(model: str) -> list[list[int]]:
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-c", _CPU_RUN, model, json.dumps(PROMPTS), str(TOKENS)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert lines, f"vLLM's CPU platform run failed:\n{proc.stderr[-3000:]}"
+    # a session of its own, killed whole afterwards: the engine-core process vLLM starts must not outlive the run
+    proc = subprocess.Popen([sys.executable, "-c", _CPU_RUN, model, json.dumps(PROMPTS), str(TOKENS)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    lines = [line for line in stdout.splitlines() if line.startswith("TOKENS ")]
+    assert lines, f"vLLM's CPU platform run failed:\n{stderr[-3000:]}"
     return json.loads(lines[-1][len("TOKENS "):])
 
 
