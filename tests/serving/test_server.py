@@ -4,6 +4,7 @@ and checks that no process it started survives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +41,8 @@ class Server:
                "--port", str(self.port), "--max-model-len", "256", "--max-num-seqs", "8", "--dtype", "bfloat16",
                "--gpu-memory-utilization", "0.02", "--enable-prefix-caching"]
         self.log = open(os.path.join(os.path.dirname(model_dir), "server.log"), "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        # a session of its own: the engine-core process the server starts is killed with it (stop())
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -54,6 +56,16 @@ class Server:
         else:
             raise TimeoutError(f"server not ready in {START_TIMEOUT_S} s; see {self.log.name}")
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=120)
+
+    def stop(self) -> None:
+        """SIGTERM (the server's clean shutdown), then whatever of its session is left, killed."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def get(self, path: str) -> tuple[int, str]:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
@@ -79,9 +91,7 @@ class Server:
 def server(tiny_model):
     s = Server(tiny_model("llama", torch.bfloat16))
     yield s
-    if s.proc.poll() is None:
-        s.proc.kill()
-        s.proc.wait(30)
+    s.stop()
 
 
 def test_models_and_health(server):
