@@ -1,9 +1,12 @@
-"""One vLLM engine in the test process (vLLM's in-process mode), started once per test module."""
+"""One vLLM engine in the test process (vLLM's in-process mode), started once per test module, and
+the cleanup of vLLM run in a process of its own (`kill_session`)."""
 from __future__ import annotations
 
 import contextlib
 import gc
 import os
+import signal
+import subprocess
 import tempfile
 from typing import Any, Iterator
 
@@ -44,3 +47,11 @@ def metric(llm: Any, name: str) -> float:
         if m.name == name:
             return float(getattr(m, "value", 0) or 0)
     raise KeyError(f"no metric {name!r}; have {[m.name for m in llm.get_metrics()]}")
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """Kills what is left of the session `proc` leads (started with start_new_session=True): the
+    engine-core and worker processes vLLM starts must not outlive the test."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

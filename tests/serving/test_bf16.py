@@ -9,17 +9,15 @@ Tensor engine takes them (tests/nki/test_decode_attention.py checks it against i
 its greedy tokens may part from the CPU platform's after some steps."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.serving.engine import in_process_llm
+from tests.serving.engine import in_process_llm, kill_session
 
 PROMPTS = ["Hello, how are you", "The quick brown fox", "Paged attention reads the KV cache",
            "0123456789 one two three"]
@@ -44,9 +42,7 @@ def _cpu_platform_greedy(model: str) -> list[list[int]]:
     try:
         stdout, stderr = proc.communicate(timeout=600)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_session(proc)
     lines = [line for line in stdout.splitlines() if line.startswith("TOKENS ")]
     assert lines, f"vLLM's CPU platform run failed:\n{stderr[-3000:]}"
     return json.loads(lines[-1][len("TOKENS "):])

@@ -18,6 +18,8 @@ import psutil
 import pytest
 import torch
 
+from tests.serving.engine import kill_session
+
 openai = pytest.importorskip("openai")
 
 HOST = "127.0.0.1"
@@ -63,9 +65,7 @@ class Server:
             self.proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        kill_session(self.proc)
 
     def get(self, path: str) -> tuple[int, str]:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:

@@ -119,6 +119,10 @@ def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
     _charge("reshape_and_cache", cost, key)
 
 
+# the price of the last step's attention: every layer of a step attends over the same lengths
+_last_attention_cost: dict[tuple, perf_model.Cost] = {}
+
+
 def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
                      alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, sinks):
     _ready()
@@ -142,9 +146,6 @@ def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq
         _last_attention_cost.clear()
         _last_attention_cost[key] = cost
     _charge("paged_attention", cost, query)
-
-
-_last_attention_cost: dict[tuple, perf_model.Cost] = {}
 
 
 def _decode_tokens(query_start_loc: torch.Tensor, heads: int) -> int:
