@@ -90,7 +90,31 @@ def test_interleaved_schedule_shrinks_the_bubble(tiny_config, tmp_path):
     assert interleaved.bubble_s / interleaved.step_s < plain.bubble_s / plain.step_s
 
 
-def test_pipeline_with_tensor_parallel_stages(tiny_config):
-    report = plan(tiny_config, {"pp": 2, "tp": 2}, target="trn2", nodes=1, ranks=4, batch=4, seq=32)
+def test_pipeline_with_tensor_parallel_stages(tmp_path, monkeypatch):
+    """With tp > 1 too, the last stage is traced in a simulated world of its own and priced with its
+    own layers: its forward holds the vocabulary-parallel output layer, so it costs more than the
+    first stage's (embedding lookup) forward. A sharding decision DTensor cached in the first
+    world would name that world's destroyed process groups in the second."""
+    import json
+
+    import torchneuron.planner.training as training
+    from tests.planner.conftest import TINY
+
+    recorded: list = []
+
+    def recording(actions, *args):
+        recorded.append(actions)
+        return StageCosts(actions, *args)
+
+    monkeypatch.setattr(training, "StageCosts", recording)
+    path = tmp_path / "wide-vocabulary.json"
+    path.write_text(json.dumps(dict(TINY, vocab_size=8192)))
+    report = plan(str(path), {"pp": 2, "tp": 2}, target="trn2", nodes=1, ranks=4, batch=4, seq=32)
     assert report.bubble_s > 0 and report.p2p_s > 0
-    assert "collectives on tp" in str(report) and "with tp > 1 only it" in str(report)
+    assert "collectives on tp" in str(report) and "the first and the last stage traced" in str(report)
+    (actions,) = recorded
+
+    def forward_s(stage: int) -> float:
+        return sum(item.cost.duration_s for item in actions[("F", stage, 0)])
+
+    assert forward_s(1) > 1.2 * forward_s(0)

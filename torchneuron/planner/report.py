@@ -149,9 +149,7 @@ class TrainingPlan:
             lines.append(f"  decoder layers are identical: traced at depths {self.depths[0]} and {self.depths[1]}, "
                          f"every figure extrapolated linearly to {self.layers // s.pp} layers per stage")
         if s.pp > 1:
-            traced = ("the first and the last stage" if s.tp == 1 else
-                      "the first stage (with tp > 1 only it: every other stage costs what it does)")
-            lines.append(f"  pipeline: {traced} traced under the {s.schedule} schedule; middle stages cost what the "
+            lines.append(f"  pipeline: the first and the last stage traced under the {s.schedule} schedule; middle stages cost what the "
                          f"first does; transfers {seconds(self.p2p_s)} busy on the critical rank")
         lines.append(f"  (planned in {self.planning_s:.1f} s on this host)")
         return "\n".join(lines)

@@ -206,11 +206,7 @@ def _pipeline(setup: StepSetup, mode: str, topology: Topology, micro_batches: in
     sends: dict[str, int] = {}
     memories: list[dict[str, float]] = []
     traces = []
-    # With tensor parallelism only the first stage's rank is traced: in a second simulated world
-    # DTensor's redistribution still names a process group of the first (name "11" vs the new
-    # world's "12"; clearing DTensor's functools caches does not help), so the last stage costs
-    # what the first does there (the report says so).
-    for pp_rank in sorted({0, spec.pp - 1} if spec.tp == 1 else {0}):
+    for pp_rank in sorted({0, spec.pp - 1}):
         with simulated_world(topology.world_size, pp_rank * stride):
             trace = trace_step(setup)
         run = trace.pipeline

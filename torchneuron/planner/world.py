@@ -56,6 +56,7 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
         raise RuntimeError("planning needs its own simulated world, but a process group is already initialised "
                            "in this process: plan from a process without one (e.g. before init_process_group)")
     _register()
+    _forget_sharding_decisions()
     dist.init_process_group(BACKEND, store=_FakeStore(), rank=rank, world_size=world_size)
     previous = torch.neuron.current_device()
     torch.neuron.set_device(0)
@@ -63,7 +64,22 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding_decisions()
         torch.neuron.set_device(previous)
+
+
+def _forget_sharding_decisions() -> None:
+    """Empty DTensor's sharding-propagation caches (the C++ fast path's and the Python one).
+
+    A DeviceMesh compares equal to another of the same layout, device and dimension names
+    whatever process groups it holds, so a cached decision made in an earlier simulated world
+    (which returns that world's meshes in its redistribution specs) would be reused in the next
+    one, and its collectives would name the earlier world's groups, long destroyed."""
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
 
 
 def mesh(shape: dict[str, int]) -> DeviceMesh:
