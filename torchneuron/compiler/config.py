@@ -9,9 +9,26 @@
 """
 from __future__ import annotations
 
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
 from torchneuron import settings
 
 VERSION = "12"  # bump when a change to the pipeline must invalidate cached graphs
+
+
+@lru_cache(maxsize=1)
+def source_hash() -> str:
+    """A digest of every Python source file of the torchneuron package: part of the on-disk
+    cache key, so a graph compiled by other code (an upgrade, a local edit to a pass or to the
+    op policy) is compiled again instead of reused, as Inductor keys its cache on its own code."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def fallback_to_eager() -> bool:

@@ -8,7 +8,11 @@ Every node that computes gets a placement:
   complex). Host ops are charged as host round trips, warned about once per op, and make
   compilation fail in strict mode (TORCHNEURON_STRICT=1);
 - "cpu": every tensor it touches lives on the CPU (e.g. an optimizer's step counter): the
-  host does it and the device timeline never sees it.
+  host does it and the device timeline never sees it;
+- "comm": a functional collective or its wait (`_c10d_functional`, what DTensor and SimpleFSDP
+  trace). It is no kernel of the plan: when it runs, the c10d backend charges the collective to
+  its group's communication stream, priced by the collective model and overlapping compute until
+  the wait, exactly as in eager mode.
 
 View-like nodes and `getitem` get no placement (they compute nothing).
 """
@@ -28,7 +32,8 @@ from torchneuron.hardware.taxonomy import op_category
 from torchneuron.hardware.targets import Target, get_target
 from torchneuron.ops import policy
 
-DEVICE, HOST, CPU = "device", "host", "cpu"
+DEVICE, HOST, CPU, COMM = "device", "host", "cpu", "comm"
+COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
 def op_name(node: Node) -> str:
@@ -116,6 +121,9 @@ def partition(gm: GraphModule, target: Target | None = None) -> Partition:
         tensors = inputs + outputs
         if tensors and all(t.device.type == "cpu" for t in tensors):
             result.placements[node.name] = CPU
+            continue
+        if op_name(node).startswith(f"{COLLECTIVE_NAMESPACE}::"):
+            result.placements[node.name] = COMM
             continue
         reason = _fallback_reason(node, tensors, target)
         if reason is None:

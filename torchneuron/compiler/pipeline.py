@@ -107,7 +107,7 @@ class NeuronGraphPass(CustomGraphModulePass):
 
     def uuid(self) -> Any:
         """Part of Inductor's cache keys: what changes the plan besides the graph itself."""
-        return (f"torchneuron-pipeline-{config.VERSION}-{get_target().name}-strict={policy.is_strict()}"
+        return (f"torchneuron-pipeline-{config.VERSION}-{config.source_hash()}-{get_target().name}-strict={policy.is_strict()}"
                 f"-eager-numerics={eager_numerics.active()}")
 
 
