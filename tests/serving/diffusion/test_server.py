@@ -230,3 +230,19 @@ def test_video_stream_and_bad_frames(video_server):
     done = events[-1]
     assert done["type"] == "video_generation.completed" and done["status"] == "completed"
     assert done["num_frames"] == 5  # 1 s at 4 fps, snapped to the VAE's 4k+1 frames
+
+
+def test_dit_pipeline_reports_progress_and_cancels_through_the_older_callback():
+    """PixArt's __call__ takes only diffusers' older `callback(step, t, latents)`: the served
+    pipeline reports every step through it and stops a call whose requests are all cancelled."""
+    from torchneuron.serving.diffusion.pipelines import Cancelled, GenerationJob
+
+    served = ServedPipeline(build_pipeline("dit").to("neuron"))
+    steps = []
+    job = GenerationJob("a cube", 1, 0, on_step=lambda step, total: steps.append((step, total)))
+    shape = {"width": 32, "height": 32, "num_inference_steps": 2, "guidance_scale": 4.5}
+    (images,) = served.generate([job], shape)
+    assert steps == [(1, 2), (2, 2)] and images[0].size == (32, 32)
+    job = GenerationJob("a cube", 1, 0, on_step=lambda step, total: job.cancelled.set())
+    with pytest.raises(Cancelled, match="cancelled at step 2"):
+        served.generate([job], dict(shape, num_inference_steps=3))
