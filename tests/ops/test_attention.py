@@ -149,3 +149,25 @@ def test_half_precision_takes_the_cpus_kernel(batched):
     for seed in range(8):
         q, k, v = _qkv(b=4 if batched else None, hq=3, hk=3, lq=3, lk=6, dtype=torch.bfloat16, seed=seed)
         _compare(q, k, v, atol=1e-2, rtol=1e-2, is_causal=True)
+
+
+def test_mask_with_strided_last_dim_takes_the_cpus_kernel():
+    """A float mask laid out heads-innermost (T5's relative position bias, permuted from
+    [L, S, H]) has last stride H. PyTorch's CPU choice takes flash for it on the CPU but not on
+    other devices; neuron asks the choice with CPU aliases, so it runs the same kernel and gives
+    the CPU's values bit for bit, forward and backward."""
+    q, k, v = _qkv(lq=16, lk=16)
+    bias = torch.randn(2, 16, 16, 4).permute(0, 3, 1, 2)  # [B, H, L, S], stride(-1) == 4
+    assert bias.stride(-1) == 4
+    dev_bias = torch.empty_strided(bias.shape, bias.stride(), device=DEV).copy_(bias)
+    assert dev_bias.stride() == bias.stride()
+    cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+    dev = [t.to(DEV).requires_grad_() for t in (q, k, v)]
+    out_cpu = F.scaled_dot_product_attention(*cpu, attn_mask=bias, scale=1.0)
+    out_dev = F.scaled_dot_product_attention(*dev, attn_mask=dev_bias, scale=1.0)
+    torch.testing.assert_close(out_dev.cpu(), out_cpu, atol=0, rtol=0)
+    grad = torch.randn(out_cpu.shape)
+    out_cpu.backward(grad)
+    out_dev.backward(grad.to(DEV))
+    for a, b in zip(cpu, dev):
+        torch.testing.assert_close(b.grad.cpu(), a.grad, atol=0, rtol=0)

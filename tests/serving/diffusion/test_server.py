@@ -162,6 +162,36 @@ def test_client_disconnect_cancels_at_a_step_boundary(image_server):
     assert r.status_code == 200  # the server is free again
 
 
+def test_disconnect_in_a_mixed_batch_cancels_only_that_request(image_server):
+    """Two requests of one shape share a call; one client goes away mid-call. Its image leaves the
+    batch at the next step boundary (the denoiser runs on the other's rows only), its request counts
+    as cancelled, and the other request gets the image it gets when served alone."""
+    client, served = image_server
+    before = _stats(client)
+    body = {"size": "32x32", "num_inference_steps": 40, "guidance_scale": 4.0}
+
+    def impatient() -> None:
+        with httpx.Client(base_url=client.base_url, timeout=1.0) as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/images/generations", json=dict(body, prompt="gone", seed=1))
+
+    with ThreadPoolExecutor(2) as pool:
+        gone = pool.submit(impatient)
+        time.sleep(0.05)  # inside the batching window
+        stays = pool.submit(client.post, "/v1/images/generations", json=dict(body, prompt="stays", seed=2))
+        gone.result()
+        r = stays.result()
+    assert r.status_code == 200, r.text
+    after = _stats(client)
+    assert after["pipeline_calls"] - before["pipeline_calls"] == 1  # one call held both requests
+    assert after["cancelled"] - before["cancelled"] == 1
+    assert after["dropped_images"] - before["dropped_images"] == 1  # cut from the call, not run to the end
+    got = _png(r.json()["data"][0])
+    want = served.pipe(["stays"], negative_prompt=[""], num_inference_steps=40, guidance_scale=4.0, height=32,
+                       width=32, generator=[torch.Generator("neuron").manual_seed(2)]).images[0]
+    # the first steps ran at batch 2 and the rest at batch 1: equal up to PNG rounding of ulp differences
+    assert np.abs(got.astype(int) - np.asarray(want).astype(int)).max() <= 1
+
+
 def test_video_job_and_content(video_server):
     client, _ = video_server
     r = client.post("/v1/videos", json={"prompt": "waves", "size": "16x16", "num_frames": 5,
@@ -200,3 +230,19 @@ def test_video_stream_and_bad_frames(video_server):
     done = events[-1]
     assert done["type"] == "video_generation.completed" and done["status"] == "completed"
     assert done["num_frames"] == 5  # 1 s at 4 fps, snapped to the VAE's 4k+1 frames
+
+
+def test_dit_pipeline_reports_progress_and_cancels_through_the_older_callback():
+    """PixArt's __call__ takes only diffusers' older `callback(step, t, latents)`: the served
+    pipeline reports every step through it and stops a call whose requests are all cancelled."""
+    from torchneuron.serving.diffusion.pipelines import Cancelled, GenerationJob
+
+    served = ServedPipeline(build_pipeline("dit").to("neuron"))
+    steps = []
+    job = GenerationJob("a cube", 1, 0, on_step=lambda step, total: steps.append((step, total)))
+    shape = {"width": 16, "height": 16, "num_inference_steps": 2, "guidance_scale": 4.5}
+    (images,) = served.generate([job], shape)
+    assert steps == [(1, 2), (2, 2)] and images[0].size == (16, 16)
+    job = GenerationJob("a cube", 1, 0, on_step=lambda step, total: job.cancelled.set())
+    with pytest.raises(Cancelled, match="cancelled at step 2"):
+        served.generate([job], shape)

@@ -132,12 +132,18 @@ Problem problem_of(const Tensor& query, const Tensor& key, const Tensor& value, 
 // choice, asked with the caller's tensors (3-D or 4-D, key/value heads not repeated), is flash. The
 // CPU computes the rest with its math backend in float32 (3-D inputs, grouped heads), and so does
 // this device: the two kernels' half-precision gradients differ by more than bf16's tolerance.
+// The choice is asked with CPU aliases of the tensors (same geometry, no copy): some of its checks
+// depend on the device (a mask whose last stride is not 1 is flash on the CPU, not on GPUs), and the
+// answer must be the one the CPU gives for the same tensors, or the two devices run different kernels
+// (T5's position-bias mask is such a tensor: its last stride is the head count).
 bool runs_flash(const Tensor& query, const Tensor& key, const Tensor& value, const std::optional<Tensor>& mask,
                 const Problem& p, double dropout_p, bool is_causal) {
   if (dropout_p > 0) return false;
   const bool grouped = query.size(-3) != key.size(-3);
-  const int64_t choice =
-      at::native::_fused_sdp_choice_cpp(query, key, value, mask, 0.0, is_causal, p.scale, grouped);
+  const std::optional<Tensor> host_mask =
+      mask && mask->defined() ? std::optional<Tensor>(maybe_alias(*mask)) : std::nullopt;
+  const int64_t choice = at::native::_fused_sdp_choice_cpp(maybe_alias(query), maybe_alias(key), maybe_alias(value),
+                                                           host_mask, 0.0, is_causal, p.scale, grouped);
   return choice == static_cast<int64_t>(SDPBackend::flash_attention);
 }
 

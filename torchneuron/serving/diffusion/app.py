@@ -10,7 +10,8 @@ Routes:
   `GET /v1/videos/{id}/content` downloads the video (MP4, or .npy frames without PyAV),
   `DELETE /v1/videos/{id}` cancels it. `"stream": true` streams `video_generation.progress`
   events and ends with the completed record.
-- `GET /v1/models`, `GET /health`, `GET /v1/diffusion/stats` (requests, pipeline calls, cancels).
+- `GET /v1/models`, `GET /health`, `GET /v1/diffusion/stats` (requests, pipeline calls, cancels,
+  images of cancelled requests dropped from a running call).
 
 Concurrent requests of the same shape are batched into one pipeline call (`Batcher`). Bad
 input is a 400 whose message names the limit; a client that disconnects has its request
@@ -311,6 +312,7 @@ def create_app(served: ServedPipeline, *, model_name: str = "diffusion", window_
     @app.get("/v1/diffusion/stats")
     async def stats() -> Any:
         return {"requests": batcher.requests, "pipeline_calls": served.calls, "cancelled": batcher.cancelled,
+                "dropped_images": served.dropped_images,
                 "device": str(served.device), "kind": "video" if served.is_video else "image",
                 "size_multiple": served.size_multiple, "default_size": "x".join(map(str, served.default_size)),
                 "max_prompt_tokens": served.max_tokens}

@@ -5,7 +5,9 @@ their shape (size, frames, steps, guidance: everything but the prompt, seed and 
 takes the oldest waiting request, waits up to `window_s` for others of the same shape, and runs
 them together as one call of at most `max_images(shape)` images. Requests of other shapes wait
 for the next call. Each submission returns a `concurrent.futures.Future` of that request's
-outputs; a request cancelled before its call starts is dropped without running.
+outputs; a request cancelled before its call starts is dropped without running, one cancelled
+during its call leaves the call at the next step boundary (`ServedPipeline.generate`) and its
+future raises `Cancelled`, while the others of the call go on.
 """
 from __future__ import annotations
 
@@ -105,6 +107,11 @@ class Batcher:
                     pending.future.set_exception(error)
                 continue
             for pending, result in zip(live, outputs):
+                if result is None:  # cancelled during the call: its rows left the batch at a step boundary
+                    self.cancelled += 1
+                    pending.future.set_exception(Cancelled("the request was cancelled at a denoising step boundary; "
+                                                           "the other requests of its batch went on"))
+                    continue
                 if pending.job.cancelled.is_set():
                     self.cancelled += 1
                 pending.future.set_result(result)

@@ -7,6 +7,13 @@ call (`generate`): prompts concatenated (diffusers then batches classifier-free 
 [negatives; positives]), one generator per image so each image depends on its own seed only,
 and a per-step callback that reports progress and cancels at the step boundary.
 
+Cancellation at a step boundary: when every request of the call is cancelled the call stops;
+when only some are, their rows are dropped from the denoising state (the latents and the text
+embeddings, both halves of a [negatives; positives] CFG batch), so the remaining steps run on
+the others' images only, and the cancelled requests' results are `None`. Pipelines with only
+diffusers' older `callback(step, t, latents)` (PixArt) report progress and stop when all are
+cancelled, but cannot shrink their batch: their cancelled rows run to the end and are discarded.
+
 The memory limit is measured, not guessed: the first request of a shape runs a one-image,
 one-step probe and records the peak device memory above the resident weights; the most images
 a call may hold is the device's free capacity over that figure.
@@ -74,6 +81,7 @@ class ServedPipeline:
         self.max_tokens = int(getattr(tokenizer, "model_max_length", 0) or 0)
         self.max_batch = max_batch
         self.calls = 0  # pipeline calls made (batches), for the server's statistics
+        self.dropped_images = 0  # images of cancelled requests removed from a running call
         self._per_image_bytes: dict[tuple, int] = {}
         self._lock = threading.Lock()  # one pipeline call at a time
 
@@ -187,20 +195,34 @@ class ServedPipeline:
         negatives = [job.negative_prompt for job in jobs for _ in range(job.n)]
         generators = [torch.Generator(self.device).manual_seed(job.seed + i) for job in jobs for i in range(job.n)]
         steps = int(shape["num_inference_steps"])
+        running = list(jobs)  # the jobs whose rows are still in the batch, in batch order
 
-        def on_step_end(pipe: Any, step: int, timestep: Any, kwargs: dict) -> dict:
-            if all(job.cancelled.is_set() for job in jobs):
+        def step_done(step: int) -> None:
+            if all(job.cancelled.is_set() for job in running):
                 raise Cancelled(f"all {len(jobs)} request(s) of the batch were cancelled at step {step + 1}")
-            for job in jobs:
+            for job in running:
                 if job.on_step is not None and not job.cancelled.is_set():
                     job.on_step(step + 1, steps)
-            return kwargs
+
+        def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict) -> dict:
+            step_done(step)
+            if step + 1 < steps and any(job.cancelled.is_set() for job in running):
+                tensors = self._drop_cancelled(running, tensors)
+            return tensors
 
         kwargs: dict[str, Any] = {
             "prompt": prompts, "negative_prompt": negatives, "generator": generators,
             "num_inference_steps": steps, "height": shape["height"], "width": shape["width"],
-            "callback_on_step_end": on_step_end, "output_type": "np" if self.is_video else "pil",
+            "output_type": "np" if self.is_video else "pil",
         }
+        if "callback_on_step_end" in self._accepts:
+            kwargs["callback_on_step_end"] = on_step_end
+            kwargs["callback_on_step_end_tensor_inputs"] = [
+                name for name in ("latents", "prompt_embeds", "negative_prompt_embeds")
+                if name in getattr(self.pipe, "_callback_tensor_inputs", ())]
+        elif "callback" in self._accepts:  # diffusers' older per-step API (PixArt)
+            kwargs["callback"] = lambda step, timestep, latents: step_done(step)
+            kwargs["callback_steps"] = 1
         if shape.get("guidance_scale") is not None:
             kwargs["guidance_scale"] = float(shape["guidance_scale"])
         if self.is_video:
@@ -216,6 +238,34 @@ class ServedPipeline:
             results = [(frames * 255).round().clip(0, 255).astype("uint8") for frames in results]
         per_job, start = [], 0
         for job in jobs:
-            per_job.append(list(results[start:start + job.n]))
-            start += job.n
+            if job in running:
+                per_job.append(list(results[start:start + job.n]))
+                start += job.n
+            else:
+                per_job.append(None)
         return per_job
+
+    def _drop_cancelled(self, running: list[GenerationJob], tensors: dict) -> dict:
+        """The step's tensors without the rows of the cancelled jobs of `running` (which it updates).
+
+        A tensor of the batch's size B keeps the remaining images' rows; one of size 2B is a
+        [negatives; positives] CFG batch and keeps them in both halves."""
+        keep, row = [], 0
+        for job in running:
+            if not job.cancelled.is_set():
+                keep.extend(range(row, row + job.n))
+            row += job.n
+        batch = row
+        for name, tensor in list(tensors.items()):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+                continue
+            if tensor.shape[0] == batch:
+                rows = keep
+            elif tensor.shape[0] == 2 * batch:
+                rows = keep + [batch + i for i in keep]
+            else:
+                continue
+            tensors[name] = tensor[torch.tensor(rows, device=tensor.device)]
+        self.dropped_images += batch - len(keep)
+        running[:] = [job for job in running if not job.cancelled.is_set()]
+        return tensors
