@@ -19,6 +19,10 @@ lengths (hardware.model.paged_attention_cost), i.e. by the cached context actual
 decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_attention`): it
 reads vLLM's cache through the block table, computes on the host with the kernel's numerics and
 is charged the kernel's simulated latency (kernels/pricing.py).
+
+The host time of a decode step is vLLM's own plus the kernels' host work: each kernel's cost is
+looked up per (kernel, signature, target), priced only the first time, and charged straight to
+its stream's clock unless a listener watches the timeline entry by entry (_enqueue).
 """
 from __future__ import annotations
 
@@ -244,17 +248,18 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch
                       block_table: torch.Tensor, t: int, scale: float) -> None:
     """A decode step's attention with the NKI decode kernel `nki_kernels::decode_attention` over
     the first ceil(max context / block size) columns of the block table: what
-    `kernels.torch_ops.paged_decode_attention` runs for neuron tensors (the kernel's host numerics,
-    charged the kernel's price, its result copied into `output` on the device), called directly
-    on the host views, without the custom-op and NKI-bridge layers around it (the operands'
-    checks are _decode_refusal's)."""
+    `kernels.torch_ops.paged_decode_attention` runs for neuron tensors (the table's columns and a
+    strided query made contiguous on the device, the kernel's host numerics, charged the kernel's
+    price, its result copied into `output` on the device), called directly on the host views,
+    without the custom-op and NKI-bridge layers around it (the operands' checks are
+    _decode_refusal's)."""
     _ready()
     b = query.shape[0] // t
     bs = kv_cache.shape[2] // 2
     lens = seq_lens[:b]
     width = -(-int(_host(lens).max()) // bs)
     table = block_table[:b, :width].contiguous()
-    q = query.view(b, t, *query.shape[1:])
+    q = query.view(b, t, *query.shape[1:]).contiguous()  # the kernel reads q [B, T, Hq, d] row-major
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _host(out).copy_(nki_decode.host(_host(q), _host(kv_cache), _host(table), _host(lens).view(b, 1), scale))
     key = (get_target().name, q.dtype, q.shape, kv_cache.shape, width)
