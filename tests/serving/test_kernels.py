@@ -257,3 +257,36 @@ def test_bf16_norm_and_activation_equal_the_cpu_platform_bit_for_bit():
     out, res = norm_n(x.to(dev), residual.to(dev))
     assert torch.equal(out.cpu(), expect_out) and torch.equal(res.cpu(), expect_res)
     assert torch.equal(act(gate.to(dev)).cpu(), expect_act)
+
+
+def _timed_kernels() -> tuple[float, float, int]:
+    """(ms from `start` to `middle`, ms from `middle` to `end`, records still pending in the work
+    log after the first kernel) of two serving kernels around an aten op and an event."""
+    from torchneuron.runtime import _C as fast
+
+    dev = torch.device("neuron")
+    x, w = torch.randn(8, 64, device=dev), torch.ones(64, device=dev)
+    out = torch.empty_like(x)
+    start, middle, end = (torch.neuron.Event(enable_timing=True) for _ in range(3))
+    start.record()
+    device_timeline.flush_pending()
+    y = x + 1  # an op record pending in the work log when the next kernel is charged
+    ops.rms_norm(out, y, w, 1e-5)
+    pending = fast.worklog_pending()
+    middle.record()  # a control record pending when the next kernel is charged
+    ops.silu_and_mul(torch.empty(8, 32, device=dev), y)
+    ops.rms_norm(out, x, w, 1e-5)
+    end.record()
+    return start.elapsed_time(middle), middle.elapsed_time(end), pending
+
+
+def test_kernels_charge_without_draining_the_work_log_and_the_same_time_as_when_watched(charged):
+    # without a listener a kernel leaves earlier op records pending (no per-kernel pricing in
+    # Python); the clocks, the events between kernels included, come out as when a listener watches
+    device_timeline.remove_listener(charged.append)
+    unwatched = _timed_kernels()
+    device_timeline.add_listener(charged.append)
+    watched = _timed_kernels()
+    assert unwatched[2] > 0 and watched[2] == 0
+    assert unwatched[0] == pytest.approx(watched[0], rel=1e-9) and unwatched[1] == pytest.approx(watched[1], rel=1e-9)
+    assert watched[0] > 0 and watched[1] > 0

@@ -125,8 +125,14 @@ def _timing(kernel: Kernel, args: tuple, kwargs: dict) -> Any:
 
 def _priced(op: str, args: tuple) -> KernelStats:
     """KernelStats of the performance model's price of `op` on the arguments' signatures."""
+    return priced_stats(op, [(a.dtype, tuple(a.shape)) for a in args if isinstance(a, torch.Tensor)])
+
+
+def priced_stats(op: str, sigs: list) -> KernelStats:
+    """KernelStats of the performance model's price of `op` on these (dtype, shape) tensor
+    signatures, in argument order (its output shaped as the first): what an op registered with
+    `priced_as=op` is charged on neuron tensors."""
     from torchneuron.hardware import get_target, model
-    sigs = [(a.dtype, tuple(a.shape)) for a in args if isinstance(a, torch.Tensor)]
     cost = model.op_cost(op, sigs, sigs[:1])
     return KernelStats(target=get_target().name, latency_s=cost.duration_s, instructions=0,
                        engine_busy_s={cost.engine: cost.duration_s}, flops=cost.flops, hbm_bytes=cost.bytes)

@@ -67,11 +67,16 @@ def call_on_device(kernel: Any, args: tuple, kwargs: dict, host: Callable | None
             return d
 
         result = _map(out, to_device)
-        busiest = max(stats.engine_busy_s, key=stats.engine_busy_s.get, default="tensor")
-        duration = stats.latency_s + launch_cost()
-        bound = "compute" if busiest in ("tensor", "vector", "scalar", "gpsimd") else "memory"
-        charge(f"nki::{kernel.__name__}", Cost(duration, busiest, stats.flops, stats.hbm_bytes, bound),
-               device=device.index, meta={"instructions": stats.instructions,
-                                          "engine_busy_s": dict(stats.engine_busy_s),
-                                          "target": stats.target})
+        cost, meta = stats_cost(stats)
+        charge(f"nki::{kernel.__name__}", cost, device=device.index, meta=meta)
     return result
+
+
+def stats_cost(stats: Any) -> tuple[Cost, dict]:
+    """What one call of a kernel with these KernelStats costs the device (its latency plus one
+    kernel launch, on its busiest engine) and the timeline entry's metadata."""
+    busiest = max(stats.engine_busy_s, key=stats.engine_busy_s.get, default="tensor")
+    bound = "compute" if busiest in ("tensor", "vector", "scalar", "gpsimd") else "memory"
+    cost = Cost(stats.latency_s + launch_cost(), busiest, stats.flops, stats.hbm_bytes, bound)
+    return cost, {"instructions": stats.instructions, "engine_busy_s": dict(stats.engine_busy_s),
+                  "target": stats.target}

@@ -19,19 +19,29 @@ lengths (hardware.model.paged_attention_cost), i.e. by the cached context actual
 decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_attention`): it
 reads vLLM's cache through the block table, computes on the host with the kernel's numerics and
 is charged the kernel's simulated latency (kernels/pricing.py).
+
+The host time of a decode step is vLLM's own plus the kernels' host work: each kernel's cost is
+looked up per (kernel, signature, target), priced only the first time, and charged straight to
+its stream's clock unless a listener watches the timeline entry by entry (_enqueue).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
-from torchneuron import eager, runtime
+from torchneuron import eager
 from torchneuron.hardware import model as perf_model
 from torchneuron.hardware.targets import get_target
-from torchneuron.hardware.worklog import charge
+from torchneuron.hardware.timeline import get_timeline, has_listeners
+from torchneuron.hardware.worklog import charge, drain
 from torchneuron.kernels import decode_attention as nki_decode
 from torchneuron.kernels import torch_ops as nki_ops
+from torchneuron.nki.bridge import priced_stats
+from torchneuron.nki.on_device import stats_cost
+from torchneuron.runtime import _C as fast  # the runtime's entry points for per-call Python code
+from torchneuron.runtime import host_view
 
 _LIB = torch.library.Library("neuron_serving", "DEF")
 _LIB.define("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()")
@@ -47,20 +57,59 @@ _LIB.define("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache,
             "Tensor? sinks) -> ()")
 
 
+_host_view_op = torch.ops.torchneuron.host_view
+
+
 def _host(t: torch.Tensor | None) -> torch.Tensor | None:
     """The CPU view of a neuron tensor (CPU tensors pass through)."""
     if t is None or t.device.type == "cpu":
         return t
-    return runtime.host_view(t)
+    # vLLM runs its steps without autograd: the view needs no no_grad block of its own then
+    return host_view(t) if torch.is_grad_enabled() else _host_view_op(t)
 
 
 def _sig(t: torch.Tensor) -> perf_model.TensorSig:
     return t.dtype, tuple(t.shape)
 
 
-def _charge(name: str, cost: perf_model.Cost, like: torch.Tensor) -> None:
-    cost = dataclasses.replace(cost, duration_s=cost.duration_s + perf_model.launch_cost())
-    charge(f"neuron_serving::{name}", cost, device=like.device.index)
+# Each kernel's cost (launch included) per target and signature: the steady state of a decode
+# loop prices nothing, it looks its kernels' costs up.
+_prices: dict[tuple, perf_model.Cost] = {}
+_PRICES_LIMIT = 1 << 14
+
+
+def _priced(key: tuple, price: Callable[[], perf_model.Cost]) -> perf_model.Cost:
+    """The cost of the kernel `key` names (the first element its name, the rest what its price
+    depends on) on the current target, launch included; `price()` gives it without the launch
+    the first time."""
+    target = get_target()
+    full = (target.name, *key)
+    cost = _prices.get(full)
+    if cost is None:
+        base = price()
+        if len(_prices) >= _PRICES_LIMIT:
+            _prices.clear()
+        cost = _prices[full] = dataclasses.replace(base, duration_s=base.duration_s + perf_model.launch_cost(target))
+    return cost
+
+
+def _enqueue(name: str, cost: perf_model.Cost, device: int, meta: dict | None = None) -> None:
+    """Charges a kernel on `device`'s current stream after the work issued before it. With nobody
+    watching the timeline entry by entry (profiler, estimate()), op records still in the work log
+    may be applied after it: a stream's clock and busy times add up the same (as a compiled
+    graph's plan is charged, compiler/program.py). Pending control records (an event, a wait, a
+    sync) see the pending ops first."""
+    if has_listeners():
+        charge(name, cost, device=device, meta=meta)
+        return
+    if fast.worklog_pending_control():
+        drain()
+    get_timeline(device).advance(fast.current_stream_id(device), cost.duration_s, {cost.engine: cost.duration_s}, 1)
+
+
+def _charge(name: str, key: tuple, price: Callable[[], perf_model.Cost], like: torch.Tensor) -> None:
+    """Charges serving kernel `name` (priced by `price()` once per `key` and target)."""
+    _enqueue(f"neuron_serving::{name}", _priced((name, *key), price), like.device.index)
 
 
 def _ready() -> None:
@@ -79,7 +128,8 @@ def _rms_norm(out, x, weight, eps):
     _ready()
     hx = _host(x)
     _host(out).copy_(_normalise(hx.float(), _host(weight), eps, hx.dtype))
-    _charge("rms_norm", perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(weight)], [_sig(out)]), x)
+    _charge("rms_norm", (x.dtype, x.shape, weight.dtype, weight.shape, out.dtype, out.shape),
+            lambda: perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(weight)], [_sig(out)]), x)
 
 
 def _fused_add_rms_norm(x, residual, weight, eps):
@@ -89,8 +139,9 @@ def _fused_add_rms_norm(x, residual, weight, eps):
     hres.copy_(summed)  # the new residual, rounded to its dtype; the norm reads the float32 sum
     hx.copy_(_normalise(summed, _host(weight), eps, hx.dtype))
     # one pass: read x and residual, write the sum (new residual) and the normalised x
-    cost = perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(residual), _sig(weight)], [_sig(x), _sig(residual)])
-    _charge("fused_add_rms_norm", cost, x)
+    _charge("fused_add_rms_norm", (x.dtype, x.shape, residual.dtype, residual.shape, weight.dtype, weight.shape),
+            lambda: perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(residual), _sig(weight)],
+                                       [_sig(x), _sig(residual)]), x)
 
 
 def _silu_and_mul(out, x):
@@ -98,25 +149,30 @@ def _silu_and_mul(out, x):
     hx = _host(x)
     half = hx.shape[-1] // 2
     torch.mul(torch.nn.functional.silu(hx[..., :half]), hx[..., half:], out=_host(out))
-    _charge("silu_and_mul", perf_model.op_cost("aten::silu", [_sig(x)], [_sig(out)]), x)
+    _charge("silu_and_mul", (x.dtype, x.shape, out.dtype, out.shape),
+            lambda: perf_model.op_cost("aten::silu", [_sig(x)], [_sig(out)]), x)
 
 
 def _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     _ready()
     torch.ops._C.rotary_embedding(_host(positions), _host(query), _host(key), head_size, _host(cos_sin_cache), is_neox)
-    rows = (cos_sin_cache.dtype, (positions.numel(), cos_sin_cache.shape[-1]))  # the cos/sin rows gathered
-    written = [_sig(query)] + ([_sig(key)] if key is not None else [])
-    cost = perf_model.op_cost("neuron_serving::rotary_embedding", [_sig(positions), rows] + written, written)
-    _charge("rotary_embedding", cost, query)
+
+    def price() -> perf_model.Cost:
+        rows = (cos_sin_cache.dtype, (positions.numel(), cos_sin_cache.shape[-1]))  # the cos/sin rows gathered
+        written = [_sig(query)] + ([_sig(key)] if key is not None else [])
+        return perf_model.op_cost("neuron_serving::rotary_embedding", [_sig(positions), rows] + written, written)
+
+    _charge("rotary_embedding", (positions.dtype, positions.shape, cos_sin_cache.dtype, cos_sin_cache.shape[-1],
+                                 query.dtype, query.shape, None if key is None else (key.dtype, key.shape)), price, query)
 
 
 def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
     _ready()
     torch.ops._C.cpu_attn_reshape_and_cache(_host(key), _host(value), _host(key_cache), _host(value_cache),
                                             _host(slot_mapping), isa, 1.0, 1.0, "auto")
-    cost = perf_model.kv_cache_write_cost(key.shape[0], kv_heads=key.shape[1], head_size=key.shape[2],
-                                          dtype=key_cache.dtype)
-    _charge("reshape_and_cache", cost, key)
+    _charge("reshape_and_cache", (key.shape[0], key.shape[1], key.shape[2], key_cache.dtype),
+            lambda: perf_model.kv_cache_write_cost(key.shape[0], kv_heads=key.shape[1], head_size=key.shape[2],
+                                                   dtype=key_cache.dtype), key)
 
 
 # the price of the last step's attention: every layer of a step attends over the same lengths
@@ -143,9 +199,10 @@ def _paged_attention(query, key_cache, value_cache, output, query_start_loc, seq
         cost = perf_model.paged_attention_cost(
             q_lens, kv_lens, heads=query.shape[1], kv_heads=key_cache.shape[1], head_size=query.shape[2],
             dtype=key_cache.dtype, block_size=key_cache.shape[2], causal=causal)
+        cost = dataclasses.replace(cost, duration_s=cost.duration_s + perf_model.launch_cost())
         _last_attention_cost.clear()
         _last_attention_cost[key] = cost
-    _charge("paged_attention", cost, query)
+    _enqueue("neuron_serving::paged_attention", cost, query.device.index)
 
 
 def _decode_tokens(query_start_loc: torch.Tensor, heads: int) -> int:
@@ -182,6 +239,41 @@ def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, block_t
     return None
 
 
+_DECODE_OP = "nki_kernels::decode_attention"
+# the decode kernel's (cost, timeline metadata) per target and shapes
+_decode_prices: dict[tuple, tuple[perf_model.Cost, dict]] = {}
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, seq_lens: torch.Tensor,
+                      block_table: torch.Tensor, t: int, scale: float) -> None:
+    """A decode step's attention with the NKI decode kernel `nki_kernels::decode_attention` over
+    the first ceil(max context / block size) columns of the block table: what
+    `kernels.torch_ops.paged_decode_attention` runs for neuron tensors (the table's columns and a
+    strided query made contiguous on the device, the kernel's host numerics, charged the kernel's
+    price, its result copied into `output` on the device), called directly on the host views,
+    without the custom-op and NKI-bridge layers around it (the operands' checks are
+    _decode_refusal's)."""
+    _ready()
+    b = query.shape[0] // t
+    bs = kv_cache.shape[2] // 2
+    lens = seq_lens[:b]
+    width = -(-int(_host(lens).max()) // bs)
+    table = block_table[:b, :width].contiguous()
+    q = query.view(b, t, *query.shape[1:]).contiguous()  # the kernel reads q [B, T, Hq, d] row-major
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _host(out).copy_(nki_decode.host(_host(q), _host(kv_cache), _host(table), _host(lens).view(b, 1), scale))
+    key = (get_target().name, q.dtype, q.shape, kv_cache.shape, width)
+    priced = _decode_prices.get(key)
+    if priced is None:  # the table and lengths as the kernel takes them: int32 [B, width] and [B, 1]
+        sigs = [_sig(q), _sig(kv_cache), (torch.int32, (b, width)), (torch.int32, (b, 1))]
+        if len(_decode_prices) >= _PRICES_LIMIT:
+            _decode_prices.clear()
+        priced = _decode_prices[key] = stats_cost(priced_stats(_DECODE_OP, sigs))
+    cost, meta = priced
+    _enqueue("nki::decode_attention", cost, q.device.index, meta)
+    output.view(out.shape).copy_(out)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, isa: str, scale: float, causal: bool, alibi_slopes: torch.Tensor | None,
                     sliding_window: int, block_table: torch.Tensor, softcap: float,
@@ -201,14 +293,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
         reason = _decode_refusal(kv_cache, query, t, block_table, isa, causal, alibi_slopes, sliding_window, softcap,
                                  sinks)
         if reason is None:
-            _ready()
-            b = query.shape[0] // t
-            bs = kv_cache.shape[2] // 2
-            lens = seq_lens[:b]
-            width = -(-int(_host(lens).max()) // bs)
-            table = block_table[:b, :width].contiguous()
-            out = nki_ops.paged_decode_attention(query.view(b, t, *query.shape[1:]), kv_cache, table, lens, scale)
-            output.view(out.shape).copy_(out)
+            _decode_attention(query, kv_cache, output, seq_lens, block_table, t, scale)
             return
         nki_ops.fallback_once(nki_decode.UnsupportedInput(reason))
     key_cache, value_cache = kv_cache.chunk(2, dim=2)
@@ -239,8 +324,9 @@ def _topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, r
     _host(topk_ids).copy_(chosen)
     tokens, k = chosen.shape
     _host(token_expert_indices).copy_(torch.arange(k).mul(tokens).reshape(1, k) + torch.arange(tokens).reshape(tokens, 1))
-    cost = perf_model.op_cost("aten::topk", [_sig(gating_output)], [_sig(topk_weights), _sig(topk_ids)])
-    _charge("topk_softmax", cost, gating_output)
+    _charge("topk_softmax", (gating_output.dtype, gating_output.shape, topk_weights.dtype, topk_ids.shape),
+            lambda: perf_model.op_cost("aten::topk", [_sig(gating_output)], [_sig(topk_weights), _sig(topk_ids)]),
+            gating_output)
 
 
 # vLLM's MoE router calls the fused top-k-softmax of its CUDA build (`_moe_C`), which its CPU build

@@ -83,18 +83,28 @@ class StepTimer:
         start, scheduled = self._open
         self._open = None
         duration = device_now(self.device) - start
-        lines = []
         for req_id in scheduled:
-            record = self.requests.setdefault(req_id, RequestTime())
+            record = self.requests.get(req_id)
+            if record is None:
+                record = self.requests[req_id] = RequestTime()
             if record.output_tokens == 0:
                 record.ttft_s += duration
             else:
                 record.decode_s += duration
             record.output_tokens = output_counts.get(req_id, record.output_tokens)
             record.steps += 1
-            lines.append(json.dumps({"id": req_id, "target": get_target().name, **record.as_dict()}))
-        if self._file is not None and lines:
-            self._file.write("\n".join(lines) + "\n")
+        if self._file is not None and scheduled:
+            target = json.dumps(get_target().name)
+            self._file.write("".join(_line(req_id, target, self.requests[req_id]) for req_id in scheduled))
+
+
+def _line(req_id: str, target: str, record: RequestTime) -> str:
+    """One request's record as a JSON line (`target` already JSON), formatted directly: the worker
+    writes one per request per step."""
+    tpot = record.tpot_s
+    return (f'{{"id": {json.dumps(req_id)}, "target": {target}, "ttft_s": {record.ttft_s!r}, '
+            f'"tpot_s": {"null" if tpot is None else repr(tpot)}, "decode_s": {record.decode_s!r}, '
+            f'"output_tokens": {record.output_tokens}, "steps": {record.steps}}}\n')
 
 
 class TimingReader:
