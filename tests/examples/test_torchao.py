@@ -206,7 +206,7 @@ def _linear_step_plans(fp8: bool) -> list:
     torch.manual_seed(0)
     layer = torch.nn.Linear(32, 80, bias=False).to(torch.bfloat16)
     if fp8:
-        convert_to_float8_training(layer)
+        layer = convert_to_float8_training(layer)  # a root Linear is replaced, not changed in place
     layer = layer.to("neuron")
     weights = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
     loss = torch.compile(lambda w, x: torch.func.functional_call(layer, w, (x,)).float().square().mean(),
@@ -218,7 +218,6 @@ def _linear_step_plans(fp8: bool) -> list:
     return charged
 
 
-@pytest.mark.slow
 def test_compiled_float8_linear_is_modeled_faster_than_bf16_when_matmul_bound():
     """At a realistic width the fused cast/amax/scale chains (casts riding on neighbouring
     instructions, spread over Vector, Scalar and GpSimd) cost less than the fp8 rate saves: fp8 is
