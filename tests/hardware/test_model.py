@@ -85,12 +85,17 @@ def test_trn1_models_fp8_as_cfp8_at_the_bf16_rate_and_warns_once(monkeypatch):
     assert e4m3.duration_s == pytest.approx(bf16.duration_s, rel=0.1)
 
 
-def test_float64_elementwise_arithmetic_is_emulated_on_the_vector_engine():
+def test_float64_elementwise_arithmetic_is_emulated_on_the_gpsimd_engine():
     sig = (torch.float64, (1 << 16,))
     cost = op_cost("aten::mul.Tensor", [sig, sig], [sig], TRN2)
     native = op_cost("aten::mul.Tensor", [(torch.float32, (1 << 16,))] * 2, [(torch.float32, (1 << 16,))], TRN2)
-    assert not cost.fallback and cost.engine == "vector"
+    assert not cost.fallback and cost.engine == "gpsimd"
     assert cost.bound == "compute" and 4 * native.duration_s < cost.duration_s  # tens of integer ops an element
+    # a scale (one element) is one C routine on GpSimd: its ~40 integer ops, one instruction issue
+    one = (torch.float64, ())
+    scale = op_cost("aten::mul.Tensor", [one, one], [one], TRN2)
+    routine_s = (40 + TRN2.instruction_fixed_cycles) / TRN2.clock_hz("gpsimd")
+    assert scale.duration_s == pytest.approx(routine_s + 2 * TRN2.dma_fixed_latency_s)
     complex_sig = (torch.complex64, (1 << 16,))
     assert op_cost("aten::mul.Tensor", [complex_sig] * 2, [complex_sig], TRN2).fallback
 

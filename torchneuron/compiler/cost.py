@@ -1,10 +1,13 @@
 """Modeled device cost of a kernel plan, from the hardware performance model.
 
 A single-op kernel costs what the model charges that op in eager mode (`op_cost`). A fused
-kernel keeps its intermediates on chip: its engines' work is the sum of its ops' compute
-(each priced on a copy of the target with free memory traffic, so only engine time remains),
-engines overlap each other and the DMA, and HBM traffic is only what the kernel reads and
-writes at its boundary:
+kernel keeps its intermediates on chip: its engines' work comes from its ops' compute (each
+priced on a copy of the target with free memory traffic, so only engine time remains), issued
+as the hardware issues a fused elementwise chain (engine_balance.py: casts ride on neighbouring
+instructions, two scalar-operand ops share one instruction, a reduction rides on its producer,
+and the passes spread over the Vector, Scalar and GpSimd engines that can run them); engines
+overlap each other and the DMA, and HBM traffic is only what the kernel reads and writes at its
+boundary:
 
     duration = max(busiest engine, boundary bytes / HBM bandwidth) + 2 DMA latencies
 
@@ -20,6 +23,7 @@ from functools import lru_cache
 
 from torchneuron.hardware.model import Cost, launch_cost, op_cost
 from torchneuron.hardware.targets import Target, get_target
+from torchneuron.compiler.engine_balance import engine_loads, passes_of
 from torchneuron.compiler.plan import KernelSpec, OpSpec, TensorSpec
 
 
@@ -51,14 +55,12 @@ def kernel_cost(kernel: KernelSpec, bindings: dict[str, int] | None = None, targ
     if len(kernel.ops) == 1:
         cost = _op(kernel.ops[0], bindings, target)
         return dataclasses.replace(cost, duration_s=cost.duration_s + launch)
-    engines: dict[str, float] = {}
-    flops = 0.0
     fast = compute_only(target)
-    for op in kernel.ops:
-        cost = _op(op, bindings, fast)
-        if cost.duration_s > 0:
-            engines[cost.engine] = engines.get(cost.engine, 0.0) + cost.duration_s
-        flops += cost.flops
+    priced = [(op.op, _sigs(op.inputs, bindings), _sigs(op.outputs, bindings), _op(op, bindings, fast))
+              for op in kernel.ops]
+    flops = sum(cost.flops for *_, cost in priced)
+    fixed, passes = passes_of(priced, target)
+    engines = {e: s for e, s in engine_loads(fixed, passes, target).items() if s > 0}
     moved = sum(t.nbytes(bindings) for t in kernel.reads) + sum(t.nbytes(bindings) for t in kernel.writes)
     memory_s = moved / min(target.hbm_bytes_per_s, target.dma_bytes_per_s)
     compute_s = max(engines.values(), default=0.0)

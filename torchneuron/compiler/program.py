@@ -5,11 +5,13 @@ mode with the module's background build, whose ATen tier runs until the build is
 runs the host code with the eager work log paused (the extern kernels and buffer copies it
 issues are part of the planned kernels, not eager ops), then charges the plan's kernels to
 the device timeline of the graph's device, in order, on the current stream. Costs are priced
-once per target and set of input sizes.
+once per target and set of input sizes. `recorded_plans()` collects the plans a region charges
+with their size bindings, so graphs traced with symbolic shapes can be priced at other sizes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from torchneuron import eager
 from torchneuron.compiler.cost import plan_costs
@@ -17,6 +19,23 @@ from torchneuron.compiler.plan import GraphPlan
 from torchneuron.hardware.targets import get_target
 from torchneuron.hardware.timeline import get_timeline, has_listeners
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-call Python code
+
+
+_recorders: list[list[tuple[GraphPlan, dict[str, int]]]] = []
+
+
+@contextmanager
+def recorded_plans() -> Iterator[list[tuple[GraphPlan, dict[str, int]]]]:
+    """Collects (plan, size bindings) of every compiled graph charged inside the region. Price
+    them at other sizes with `compiler.cost.plan_costs(plan.kernels, bindings, target)`: a graph
+    compiled with symbolic shapes (`dynamic=True`, weights passed as inputs) gives the device
+    cost of any size without computing it on the host."""
+    record: list[tuple[GraphPlan, dict[str, int]]] = []
+    _recorders.append(record)
+    try:
+        yield record
+    finally:
+        _recorders.remove(record)
 
 
 def _price_key(target: str, bindings: dict[str, int] | None) -> tuple:
@@ -67,6 +86,8 @@ class DeviceProgram:
         otherwise."""
         from torchneuron.hardware.worklog import drain
 
+        for record in _recorders:
+            record.append((self.plan, dict(bindings or {})))
         device = self.plan.device
         timeline = get_timeline(device)
         stream = fast.current_stream_id(device)

@@ -393,11 +393,15 @@ def _histogram_work(target: Target, name: str, ins: Sequence[TensorSig], outs: S
 # ---- float64 arithmetic, emulated ---------------------------------------------------------------
 
 # Elementwise float64 arithmetic the device runs without a host round trip: the NeuronCore has no
-# FP64 unit, so each element is computed by an IEEE-exact software routine on the Vector engine's
-# 32-bit integer ALU (unpack sign/exponent/mantissa, integer multiply-add with carries, normalise,
-# round to nearest even). Mixed-precision recipes use it for small scale tensors (torchao's
-# float8 scale math); anything else in float64 (matmuls, transcendentals, reductions but
-# amax/amin) stays a host fallback.
+# FP64 unit, so each element is computed by an IEEE-exact software routine (unpack sign/exponent/
+# mantissa, integer multiply-add with carries, normalise, round to nearest even) on the GpSimd
+# engine, whose cores run general-purpose C code (neuron-core-v2.rst: "eight fully-programmable
+# 512-bit wide vector processors, which can execute general purpose C-code"; 8 x 16 32-bit lanes,
+# one a partition). The routine is one GpSimd instruction a tile: its integer operations cost a
+# lane-cycle each, its issue cost is paid once, not once per integer operation as a chain of
+# Vector instructions would pay it. Mixed-precision recipes use it for small scale tensors
+# (torchao's float8 scale math); anything else in float64 (matmuls, transcendentals, reductions
+# but amax/amin) stays a host fallback.
 FP64_EMULATED_OPS = frozenset(split_names(
     "add sub rsub mul div reciprocal neg abs clamp clamp_min clamp_max maximum minimum where",
     "eq ne lt le gt ge sign floor ceil trunc round amax amin masked_fill"))
@@ -430,7 +434,9 @@ def _fp64_passes(op: str, sigs: Sequence[TensorSig]) -> int:
 
 def _fp64_emulated_cost(target: Target, op: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> Cost:
     elements = max(_elements(outs), _elements(ins))
-    work = _Work({"vector": _engine_passes(target, "vector", elements, _fp64_passes(op, ins + outs))},
+    lane = _lanes(elements, target)
+    gpsimd_s = engine_seconds(target, "gpsimd", lane * _fp64_passes(op, ins + outs), _tiles(lane))
+    work = _Work({"gpsimd": gpsimd_s},
                  _total_bytes(ins) + _total_bytes(outs), float(elements))
     return _finish(target, work)
 
