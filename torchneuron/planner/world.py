@@ -69,17 +69,20 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
 
 def _forget_sharding_decisions() -> None:
-    """Empty DTensor's sharding-propagation caches (the C++ fast path's and the Python one).
+    """Empty DTensor's sharding-propagation and redistribution caches (C++ fast path and Python).
 
     A DeviceMesh compares equal to another of the same layout, device and dimension names
     whatever process groups it holds, so a cached decision made in an earlier simulated world
     (which returns that world's meshes in its redistribution specs) would be reused in the next
     one, and its collectives would name the earlier world's groups, long destroyed."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, _redistribute
 
     torch._C._clear_DTensor_sharding_propagator_cache()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()     # redistribution plans, keyed by DTensorSpec too
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def mesh(shape: dict[str, int]) -> DeviceMesh:
