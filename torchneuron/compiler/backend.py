@@ -26,6 +26,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from torch._dynamo.exc import RestartAnalysis, SkipFrame
 from torch.fx import GraphModule
 
 from torchneuron.compiler import artifacts, cache, config, patterns, tiered
@@ -60,6 +61,13 @@ def _check_mode(mode: str | None) -> None:
     warnings.warn(f"torch.compile(mode={mode!r}) is not supported by the neuron backend; compiling with "
                   "mode='default' instead.", UserWarning, stacklevel=3)
 
+
+# Exceptions raised through a backend on purpose for Dynamo to handle (its `_call_user_compiler`
+# re-raises them): a restart of the frame's analysis (e.g. AOTAutograd's tensorify pass asking to
+# specialize a Python float) and a request to skip the frame. Wrapping them in NeuronCompileError,
+# or falling back to eager on them, would turn Dynamo's control flow into a compile failure.
+# (Inductor's own errors are ShortenTraceback too: those are failures, and are named as ours.)
+_DYNAMO_CONTROL_FLOW: tuple[type[BaseException], ...] = (RestartAnalysis, SkipFrame)
 
 _OP_IN_MESSAGE = re.compile(r"(?:target|op|operator)[:= ]+((?:aten|prims|torchneuron)[.:]+[\w.]+)")
 
@@ -99,7 +107,7 @@ def compile_graph(gm: GraphModule, example_inputs: list[Any], **kwargs: Any) -> 
     try:
         with tiered.offering(tier) as offer:
             compiled = compile_fx_inner(gm, example_inputs, **kwargs)
-    except NeuronCompileError:
+    except (NeuronCompileError, *_DYNAMO_CONTROL_FLOW):
         raise
     except Exception as error:
         raise _chained(as_compile_error(error), error) from None
@@ -128,8 +136,10 @@ def _compile(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]
     if config.dump_dir():
         artifacts.write(name, "dynamo_graph.txt", gm.print_readable(print_output=False))
         artifacts.write(name, "substitutions.json", substituted)
-        # A graph served from the disk caches is never planned: while dumping, plan every graph
-        # anew so that its directory holds all of its artifacts.
+    # A graph served from the disk caches is never planned: while dumping, plan every graph anew
+    # so that its directory holds all of its artifacts. A graph with float arguments may hit an
+    # artifact compiled for another value of the float (cache.has_float_arguments).
+    if config.dump_dir() or cache.has_float_arguments(gm):
         patches["fx_graph_cache"] = False
         aot_patches["enable_autograd_cache"] = False
     # Compilation runs ops on example inputs now and then; they are not the program's device work.
@@ -153,6 +163,8 @@ def neuron_backend(gm: GraphModule, example_inputs: list[Any], *, mode: str | No
     original = copy.deepcopy(gm) if config.fallback_to_eager() else None
     try:
         compiled = _compile(gm, example_inputs, options)
+    except _DYNAMO_CONTROL_FLOW:
+        raise
     except Exception as error:
         failure = _chained(as_compile_error(error), error)
         if original is None:

@@ -5,6 +5,11 @@
   and the current target -> the compiled callable. A graph captured again (another `torch.compile`
   of the same program, a reset of Dynamo) skips AOTAutograd and code generation entirely.
   Graphs with dynamic shapes or module attributes (get_attr) are not kept in memory.
+- Graphs taking a Python float as an argument (`has_float_arguments`) are cached at neither
+  level: under Dynamo's `specialize_float=False` such a float becomes a 0-d tensor input, and
+  when AOTAutograd burns its value into an op's parameter (pow's exponent, a norm's eps,
+  clamp's bound) the captured graph stays the same for every value, so a cached artifact would
+  compute with an earlier call's float (pytorch/pytorch#197889; Inductor-CPU has the bug).
 - On disk: AOTAutograd's and Inductor's caches, keyed by the same information plus the
   pipeline's version (pipeline.NeuronGraphPass.uuid), under TORCHNEURON_COMPILE_CACHE_DIR
   (default: Inductor's cache directory). The generated modules embed their kernel plan, so
@@ -49,9 +54,16 @@ def _is_dynamic(example_inputs: list[Any]) -> bool:
     return False
 
 
+def has_float_arguments(gm: GraphModule) -> bool:
+    """True when Dynamo passes one of the graph's Python float arguments in as a tensor (the
+    graph is the same for every value of that float: see the module docstring)."""
+    return any(getattr(node.meta.get("grapharg"), "pass_arg_as_tensor", False)
+               for node in gm.graph.find_nodes(op="placeholder"))
+
+
 def graph_key(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> str | None:
     """The memory-cache key of a Dynamo graph, or None when it must not be cached in memory."""
-    if _is_dynamic(example_inputs) or any(n.op == "get_attr" for n in gm.graph.nodes):
+    if _is_dynamic(example_inputs) or any(n.op == "get_attr" for n in gm.graph.nodes) or has_float_arguments(gm):
         return None
     code = "\n".join(line for line in gm.code.splitlines() if not line.strip().startswith("#"))
     parts = [config.VERSION, get_target().name, str(policy.is_strict()), code, repr(sorted(options.items())),
