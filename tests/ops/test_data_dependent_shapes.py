@@ -95,21 +95,23 @@ def test_empty_and_scalar_inputs(shape, strict):
 
 
 def test_adaptive_program_flushes_at_the_data_dependent_size(strict):
-    """Queued ops before a compaction are flushed into it; ops after it use its size."""
+    """Queued ops before a compaction are flushed into it; ops after it use its size. The
+    programs take Python floats (unbacked float symbols of the fused programs) that change from
+    call to call, beside the data-dependent sizes."""
     x = torch.randn(64, 16)
 
-    def program(t):
-        y = (t * 3 + 1).relu()
-        selected = y[y > 1.5]                       # needs y computed: flushes the queued ops
-        count = torch.nonzero(y > 1.5).shape[0]     # a Python int from a device sync
-        z = selected.exp().sum() * count + torch.masked_select(t, t < 0).abs().mean()
+    def program(t, scale, threshold):
+        y = (t * scale + 1.25).relu()
+        selected = y[y > threshold]                   # needs y computed: flushes the queued ops
+        count = torch.nonzero(y > threshold).shape[0]  # a Python int from a device sync
+        z = selected.exp().sum() * count + torch.masked_select(t, t < 0).abs().mean() * scale
         return z, selected, y.argwhere()
 
-    want = program(x)
     torchneuron.eager.set_eager_mode("adaptive")
     try:
-        for _ in range(3):  # the second and third calls reuse cached fused programs
-            got = program(x.to("neuron"))
+        for scale, threshold in ((3.0, 1.5), (2.5, 1.75), (0.75, 0.5)):  # later calls reuse cached programs
+            want = program(x, scale, threshold)
+            got = program(x.to("neuron"), scale, threshold)
             torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-6, atol=0)
             _assert_bit_equal(got[1:], want[1:])
     finally:
