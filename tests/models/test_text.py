@@ -5,18 +5,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from .zoo_checks import FULL, cases, check  # noqa: E402
+from .zoo_checks import FULL, GROUPED_MM_FALLBACK, cases, check  # noqa: E402
 
 SUBSETS = {"bf16": {"llama": False, "gemma3": False, "deepseek_v3": False}, "adaptive": {"qwen3": True},
            "compiled": {"llama": True, "qwen3": True, "gpt_oss": True, "gemma3": FULL, "phi3": FULL,
                         "deepseek_v3": FULL}}
-# The MoE models' experts (transformers' grouped_mm implementation, in float32):
-_GROUPED_MM_FALLBACK = (
-    "upstream: under torch.compile transformers routes non-bfloat16 MoE experts to its "
-    "transformers::grouped_mm_fallback custom op (integrations/moe.py, _can_use_grouped_mm), whose "
-    "registered backward reads offs.tolist(); AOTAutograd traces that backward with fake tensors and "
-    "raises DataDependentOutputException on aten._local_scalar_dense")
-XFAILS = {("gpt_oss", "compiled"): _GROUPED_MM_FALLBACK, ("deepseek_v3", "compiled"): _GROUPED_MM_FALLBACK}
+XFAILS = {("gpt_oss", "compiled"): GROUPED_MM_FALLBACK, ("deepseek_v3", "compiled"): GROUPED_MM_FALLBACK}
 
 
 @pytest.mark.parametrize("name,mode", cases("text", SUBSETS, XFAILS))
