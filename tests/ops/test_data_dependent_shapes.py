@@ -214,3 +214,21 @@ def test_eager_timeline_charges_the_device_kernel(strict):
     rows = {row.name: row for row in est.per_op}
     assert "aten::nonzero" in rows and rows["aten::nonzero"].time_s > model.copy_cost(8, "d2h", TRN2).duration_s
     assert not any(getattr(row, "fallback", False) for row in rows.values())
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_opinfo_samples_of_the_compaction_ops(mode):
+    """The OpInfo gates' sweep (tests/ops/opinfo_sweep.py) of just these ops, in float32, bfloat16
+    and float16: every sample matches the CPU and none falls back to the host."""
+    from tests.ops.opinfo_sweep import sweep
+    from tests.ops.test_opinfo_adaptive import adaptive_sweep
+
+    names = {"nonzero", "nonzero_static", "masked_select", "argwhere", "masked_scatter"}
+    torchneuron.reset_fallback_counts()
+    if mode == "eager":
+        result = sweep((torch.float32, torch.bfloat16, torch.float16), names)
+    else:
+        result = adaptive_sweep(names)
+    assert result.ops_run >= 10 and result.samples_passed >= 30, (result.ops_run, result.samples_passed)
+    assert result.failures == {} and result.samples_failed == 0
+    assert torchneuron.fallback_counts() == {}
