@@ -28,10 +28,25 @@ def _seed():
     yield
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--zoo-full", action="store_true", default=False,
+                     help="also run the model zoo's long cases (tests/models: marked zoo_full), e.g. "
+                          "every zoo model compiled")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "zoo_full: a long model-zoo case, run only with --zoo-full")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Slow tests first: `make test` spreads test modules over two workers (pytest-xdist,
     `--dist loadscope`) in this order, so the long OpInfo gates start at once instead of
-    leaving one worker busy at the end."""
+    leaving one worker busy at the end. Cases marked zoo_full are skipped without --zoo-full."""
+    if not config.getoption("--zoo-full"):
+        skip = pytest.mark.skip(reason="a long model-zoo case: pass --zoo-full to run it")
+        for item in items:
+            if item.get_closest_marker("zoo_full") is not None:
+                item.add_marker(skip)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

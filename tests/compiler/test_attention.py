@@ -77,3 +77,31 @@ def test_grouped_query_attention_gradients_of_transposed_heads(fresh_dynamo, dro
         runs.append([t.grad.cpu() for t in inputs])
     for compiled, eager in zip(*runs):
         torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_values_of_another_head_size_are_not_substituted(fresh_dynamo):
+    """Multi-head latent attention (DeepSeek-V3) gives values another head size than queries and
+    keys: the flash kernel has one head size, so the call stays scaled_dot_product_attention and
+    matches the CPU forward and backward (it used to fail to compile: "Q/K/V should have the same
+    head size")."""
+    from torchneuron.compiler import patterns
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, 4, 6, d, generator=g) for d in (32, 32, 24)]
+    cpu = [t.clone().requires_grad_() for t in base]
+    dev = [t.to("neuron").requires_grad_() for t in base]
+    matched = []
+    original = patterns._is_flash_attention
+    try:
+        patterns.SUBSTITUTIONS[0] = patterns.Substitution(
+            "flash_attention", lambda n: matched.append(original(n)) or matched[-1], patterns._rewrite_flash_attention)
+        result = torch.compile(attention, backend="neuron")(*dev, None, True)
+    finally:
+        patterns.SUBSTITUTIONS[0] = patterns.Substitution("flash_attention", original, patterns._rewrite_flash_attention)
+    expected = attention(*cpu, None, True)
+    result.sum().backward()
+    expected.sum().backward()
+    assert matched and not any(matched)
+    torch.testing.assert_close(result.cpu(), expected, atol=1e-5, rtol=1e-5)
+    for mine, reference in zip(dev, cpu):
+        torch.testing.assert_close(mine.grad.cpu(), reference.grad, atol=1e-5, rtol=1e-5)

@@ -74,13 +74,15 @@ def test_moe_trains_and_generates_as_on_cpu(name, impl):
     assert torch.equal(actual.cpu(), expected)
 
 
-def test_grouped_experts_run_without_a_host_fallback():
-    """The grouped_mm implementation (histc on int ids, _grouped_mm) stays on the device; only the
-    eager loop's data-dependent nonzero needs the host."""
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_experts_run_without_a_host_fallback(impl):
+    """The grouped_mm implementation (histc on int ids, _grouped_mm) stays on the device, and so
+    does the eager loop over experts, whose routing is a data-dependent nonzero (a device
+    compaction: tests/ops/test_data_dependent_shapes.py)."""
     import torchneuron
 
     torch.manual_seed(0)
-    model = mixtral("grouped_mm").to("neuron")
+    model = mixtral(impl).to("neuron")
     ids = torch.randint(3, VOCAB, (2, 12)).to("neuron")
     torchneuron.reset_fallback_counts()
     torchneuron.set_strict(True)

@@ -1,12 +1,13 @@
 """Whisper (log-mel features built in the test) trains and transcribes on neuron as on the CPU
-(checks: zoo_checks.py)."""
+(checks: zoo_checks.py). The compiled case (FULL) runs with
+`pytest tests/models/test_audio.py --zoo-full`."""
 import pytest
 
 pytest.importorskip("transformers")
 
-from .zoo_checks import cases, check  # noqa: E402
+from .zoo_checks import FULL, cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"whisper": False}}
+SUBSETS = {"bf16": {"whisper": False}, "compiled": {"whisper": FULL}}
 
 
 @pytest.mark.parametrize("name,mode", cases("audio", SUBSETS))

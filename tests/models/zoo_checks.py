@@ -4,7 +4,14 @@ inference call (`generate`, or the forward pass) gives the CPU's tokens or outpu
 
 Modes: `eager`, `adaptive` (adaptive eager mode), `compiled` (`torch.compile(backend="neuron")`
 for the training forward and the forward passes inference makes), `bf16` (bfloat16 autocast on
-both devices). Each check records the last training step's modeled trn2 time and MFU as the
+both devices). Each family's SUBSETS dict names the models a mode runs beyond eager: every zoo
+model has a `compiled` case; the quick ones run by default (marked slow), the rest only with
+`--zoo-full` (skipped otherwise, saying so), e.g. every compiled case:
+
+    PYTHONPATH=$PWD python -m pytest -q tests/models --zoo-full -k compiled --durations=0
+
+A case that cannot pass for a cause outside torchneuron is a strict xfail naming that cause.
+Each check records the last training step's modeled trn2 time and MFU as the
 test's `zoo` property; tests/conftest.py prints them as a table at the end of the run.
 """
 from __future__ import annotations
@@ -30,9 +37,24 @@ LOSS_FP32, GRAD_FP32 = dict(rel=1e-4, abs=1e-5), 1e-5
 LOSS_BF16, GRAD_BF16_MARGIN = dict(rel=2e-2, abs=2e-2), 3e-2
 
 
-def cases(family: str, subsets: dict[str, dict[str, bool]]) -> list:
+# A case of a SUBSETS entry: False (the default run), True (the default run, marked slow) or FULL
+# (marked slow and zoo_full: run with `pytest --zoo-full`, skipped otherwise; tests/conftest.py).
+FULL = "full"
+# Why the compiled MoE models (GPT-OSS, DeepSeek-V3, Jamba: transformers' grouped_mm experts in
+# float32) cannot train: a strict xfail reason.
+GROUPED_MM_FALLBACK = (
+    "upstream: under torch.compile transformers routes non-bfloat16 MoE experts to its "
+    "transformers::grouped_mm_fallback custom op (integrations/moe.py, _can_use_grouped_mm), whose "
+    "registered backward reads offs.tolist(); AOTAutograd traces that backward with fake tensors and "
+    "raises DataDependentOutputException on aten._local_scalar_dense")
+
+
+def cases(family: str, subsets: dict[str, dict[str, bool | str]],
+          xfails: dict[tuple[str, str], str] | None = None) -> list:
     """pytest params (name, mode) for the `family`'s models: every model in eager mode; a mode
-    listed in `subsets` runs the models it names (True: marked slow)."""
+    listed in `subsets` runs the models it names (True: marked slow; FULL: slow and only with
+    --zoo-full). `xfails` maps (name, mode) to the precise reason the case cannot pass (a strict
+    xfail: it fails the run once it passes)."""
     params = []
     for name, spec in MODELS.items():
         if spec.family != family:
@@ -41,6 +63,10 @@ def cases(family: str, subsets: dict[str, dict[str, bool]]) -> list:
         for mode, names in subsets.items():
             if name in names:
                 marks = [pytest.mark.slow] if names[name] else []
+                if names[name] == FULL:
+                    marks.append(pytest.mark.zoo_full)
+                if (name, mode) in (xfails or {}):
+                    marks.append(pytest.mark.xfail(strict=True, reason=xfails[name, mode]))
                 params.append(pytest.param(name, mode, id=f"{name}-{mode}", marks=marks))
     return params
 
@@ -55,7 +81,15 @@ def _relative_l2(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     return ((flat_got - flat_want).norm() / flat_want.norm()).item()
 
 
-def _assert_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+def _assert_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], compiled: bool = False) -> None:
+    if compiled:
+        # AOTAutograd materialises the gradient of a graph output the loss does not use as zeros:
+        # parameters reaching only such outputs (LLaVA's vision post_layernorm: the features come
+        # from an earlier layer) get zero gradients where eager autograd leaves None, with
+        # torch.compile's own CPU backends too.
+        unused = {key: got[key] for key in got.keys() - want.keys()}
+        assert all(not g.any() for g in unused.values()), f"nonzero gradients of unused parameters: {sorted(unused)}"
+        got = {key: value for key, value in got.items() if key in want}
     assert got.keys() == want.keys(), got.keys() ^ want.keys()
     scale = max(g.abs().max().item() for g in want.values())
     for key, value in want.items():
@@ -89,7 +123,7 @@ def check(name: str, mode: str, record=None) -> None:
     if mode == "bf16":
         _assert_bf16_grads(got.grads, cpu.grads, train(copy.deepcopy(base), spec, "cpu").grads)
     else:
-        _assert_grads(got.grads, cpu.grads)
+        _assert_grads(got.grads, cpu.grads, compiled=mode == "compiled")
     want = infer(copy.deepcopy(base), spec, "cpu", autocast=options["autocast"])
     if spec.generates:
         prompt = spec.prompt().get("input_ids")

@@ -5,7 +5,8 @@ a decomposition) over the torch-level graph. Each `Substitution` recognises a ca
 the NKI kernel supports the arguments, rewrites it into calls of an op from host_stand_ins.py.
 
 Built in: `torch.nn.functional.scaled_dot_product_attention` (without dropout or grouped
-query attention, on float32/bfloat16/float16 neuron tensors, with a causal flag or an
+query attention, one head size for queries, keys and values, on float32/bfloat16/float16
+neuron tensors, with a causal flag or an
 additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`.
 """
 from __future__ import annotations
@@ -61,6 +62,10 @@ def _is_flash_attention(node: Node) -> bool:
                for t in (q, k, v)):
         return False
     if q.dtype not in FLOAT_TYPES or k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return False
+    # The kernel has one head size for q, k and v: attention whose values have another head size
+    # than its queries (DeepSeek's multi-head latent attention) stays scaled_dot_product_attention.
+    if not q.shape[-1] == k.shape[-1] == v.shape[-1]:
         return False
     mask = args.get("attn_mask")
     if mask is not None:

@@ -65,6 +65,69 @@ def symbol_sources(gm: GraphModule) -> dict[str, tuple[int, int]]:
     return sources
 
 
+def _plan_symbols(kernels: list) -> set[str]:
+    """Names of the size symbols in the shapes of the kernels' tensors (integer sizes only)."""
+    import sympy
+
+    texts = {d for k in kernels for spec in (*k.reads, *k.writes, *(t for o in k.ops for t in (*o.inputs, *o.outputs)))
+             for d in spec.shape if isinstance(d, str)}
+    names: set[str] = set()
+    for text in texts:
+        try:
+            names.update(str(s) for s in sympy.sympify(text).free_symbols)
+        except (sympy.SympifyError, TypeError, ValueError):
+            continue
+    return names
+
+
+def _shape_env(gm: GraphModule) -> Any:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for v in (val if isinstance(val, (list, tuple)) else (val,)):
+            sizes = v.shape if isinstance(v, torch.Tensor) else (v,)
+            for size in sizes:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
+
+
+def unbacked_sources(gm: GraphModule, kernels: list, symbols: dict[str, tuple[int, int]]
+                     ) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """The data-dependent sizes of a plan (size symbols of its tensors no input gives, such as
+    nonzero's count): where a graph output shows each (output index, dim), and the value to
+    price it at otherwise: its upper bound in the shape environment when that is a finite
+    integer, else its lower bound (0 when it has none). Only integer sizes of tensors are looked
+    at, and a symbol without a range is no error."""
+    import sympy
+
+    names = _plan_symbols(kernels) - set(symbols)
+    if not names:
+        return {}, {}
+    env = _shape_env(gm)
+    ranges = {str(k): v for k, v in getattr(env, "var_to_range", {}).items()} if env is not None else {}
+    defaults: dict[str, int] = {}
+    for name in sorted(names):
+        value = 0
+        bounds = ranges.get(name)
+        if bounds is not None:
+            if isinstance(bounds.upper, sympy.Integer):
+                value = int(bounds.upper)
+            elif isinstance(bounds.lower, sympy.Integer):
+                value = max(0, int(bounds.lower))
+        defaults[name] = value
+    sources: dict[str, tuple[int, int]] = {}
+    output = gm.graph.output_node().args[0] if gm.graph.find_nodes(op="output") else ()
+    for index, node in enumerate(output if isinstance(output, (list, tuple)) else (output,)):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            for dim, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_symbol and str(size.node.expr) in names:
+                    sources.setdefault(str(size.node.expr), (index, dim))
+        elif isinstance(val, torch.SymInt) and val.node.expr.is_symbol and str(val.node.expr) in names:
+            sources.setdefault(str(val.node.expr), (index, -1))
+    return sources, defaults
+
+
 def cost_report(plan: GraphPlan, bindings: dict[str, int] | None = None) -> dict[str, Any]:
     """The plan's modeled cost on the current target, per kernel and against eager."""
     target = get_target()
@@ -92,7 +155,8 @@ class NeuronGraphPass(CustomGraphModulePass):
         placements = partition(gm)
         kernels = build_kernels(fuse(gm, placements), placements, gm.meta.get(flex_attention.NKI_OPS_KEY))
         symbols = symbol_sources(gm)
-        plan = GraphPlan(name, _device_index(gm), kernels, symbols)
+        unbacked, defaults = unbacked_sources(gm, kernels, symbols)
+        plan = GraphPlan(name, _device_index(gm), kernels, symbols, unbacked, defaults)
         gm.meta[PLAN_META_KEY] = plan
         rewrites["lowered_to_host_kernels"] = host_stand_ins.lower_to_host(gm)
         if eager_numerics.active():  # an adaptive eager program: rounds as the eager kernels do
@@ -102,7 +166,7 @@ class NeuronGraphPass(CustomGraphModulePass):
             artifacts.write(name, "passes.json", rewrites)
             artifacts.write(name, "partition.json", placements.to_dict())
             artifacts.write(name, "kernels.json", [k.__dict__ for k in kernels])
-            hints = _size_hints(gm, symbols)
+            hints = {**defaults, **_size_hints(gm, symbols)}
             artifacts.write(name, "cost.json", cost_report(plan, hints))
 
     def uuid(self) -> Any:

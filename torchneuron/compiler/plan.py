@@ -103,6 +103,11 @@ class GraphPlan:
     device: int
     kernels: list[KernelSpec]
     symbols: dict[str, tuple[int, int]] = field(default_factory=dict)  # symbol -> (input index, dim or -1)
+    # Data-dependent sizes (unbacked symbols: nonzero's count, x[mask]'s rows) that size tensors of
+    # the plan: where a graph output shows each one (output index, dim), and the value to price it
+    # at when no output does (its upper bound when finite, else its lower bound).
+    unbacked: dict[str, tuple[int, int]] = field(default_factory=dict)
+    unbacked_defaults: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -121,15 +126,36 @@ class GraphPlan:
                               [tensor(t) for t in k["writes"]], k["placement"], list(k["nodes"]))
                    for k in raw["kernels"]]
         symbols = {name: (int(src[0]), int(src[1])) for name, src in raw["symbols"].items()}
-        return GraphPlan(raw["name"], int(raw["device"]), kernels, symbols)
+        unbacked = {name: (int(src[0]), int(src[1])) for name, src in raw.get("unbacked", {}).items()}
+        defaults = {name: int(value) for name, value in raw.get("unbacked_defaults", {}).items()}
+        return GraphPlan(raw["name"], int(raw["device"]), kernels, symbols, unbacked, defaults)
+
+    @property
+    def symbolic(self) -> bool:
+        """Whether pricing the plan needs size bindings (symbolic inputs or data-dependent sizes)."""
+        return bool(self.symbols or self.unbacked_defaults)
 
     def bindings(self, args: list[Any]) -> dict[str, int]:
-        """Values of the size symbols for one call's inputs."""
-        values = {}
+        """Values of the size symbols for one call's inputs (data-dependent sizes at their defaults
+        until `bind_outputs` reads them from the call's results)."""
+        values = dict(self.unbacked_defaults)
         for name, (index, dim) in self.symbols.items():
             arg = args[index]
             values[name] = int(arg) if dim < 0 else int(arg.shape[dim])
         return values
+
+    def bind_outputs(self, bindings: dict[str, int], outputs: Any) -> dict[str, int]:
+        """`bindings` with each data-dependent size a graph output shows set to its value in this
+        call's `outputs` (the generated code's results, in graph output order)."""
+        if not self.unbacked or not isinstance(outputs, (list, tuple)):
+            return bindings
+        for name, (index, dim) in self.unbacked.items():
+            value = outputs[index] if index < len(outputs) else None
+            if isinstance(value, torch.Tensor) and dim < value.dim():
+                bindings[name] = int(value.shape[dim])
+            elif dim < 0 and isinstance(value, int):
+                bindings[name] = value
+        return bindings
 
     def summary(self) -> dict[str, int]:
         counts: dict[str, int] = {}

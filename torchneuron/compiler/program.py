@@ -38,6 +38,9 @@ def recorded_plans() -> Iterator[list[tuple[GraphPlan, dict[str, int]]]]:
         _recorders.remove(record)
 
 
+_PRICED_LIMIT = 1024  # priced size bindings kept per program
+
+
 def _price_key(target: str, bindings: dict[str, int] | None) -> tuple:
     """What a plan's prices depend on: the target and the sizes bound to its symbols."""
     return target, tuple(sorted((bindings or {}).items()))
@@ -62,6 +65,9 @@ class DeviceProgram:
         key = _price_key(target.name, bindings)
         entries = self._priced.get(key)
         if entries is None:
+            if len(self._priced) >= _PRICED_LIMIT:  # data-dependent sizes: a new key per count
+                self._priced.clear()
+                self._totals.clear()
             costs = plan_costs(self.plan.kernels, bindings, target)
             entries = [(k.name, c, {"graph": self.plan.name, "kind": k.kind, "ops": len(k.ops)})
                        for k, c in zip(self.plan.kernels, costs)]
@@ -106,7 +112,7 @@ class DeviceProgram:
     def wrap(self, generated: Callable[[list[Any]], Any], build: Any = None) -> Callable[[list[Any]], Any]:
         """The generated `call`, running paused from the work log and charging the plan. With a
         `build` (tiered.Build, tiered mode), its ATen tier runs instead until the build is done."""
-        symbolic = bool(self.plan.symbols)
+        symbolic = self.plan.symbolic
 
         def run_logged(args: list[Any]) -> Any:
             nonlocal build
@@ -124,6 +130,8 @@ class DeviceProgram:
                 result = call(args)
             finally:
                 fast.worklog_exchange_enabled(True)
+            if bindings is not None:
+                bindings = self.plan.bind_outputs(bindings, result)
             self.charge(bindings)
             return result
 

@@ -125,6 +125,7 @@ class _Work:
     flops: float
     engine: str = ""          # reported engine, when not simply the busiest one
     dma_latencies: int = 2    # un-overlapped DMA fixed latencies: the first load, the last store
+    host_sync_s: float = 0.0  # a read-back the host waits for after the kernel (a data-dependent size)
 
 
 def _finish(target: Target, work: _Work) -> Cost:
@@ -135,6 +136,7 @@ def _finish(target: Target, work: _Work) -> Cost:
     memory_s = max(streaming_s, work.engine_s.get("dma", 0.0))
     fixed_s = work.dma_latencies * target.dma_fixed_latency_s
     engine = work.engine or (max(work.engine_s, key=work.engine_s.__getitem__) if work.engine_s else "dma")
+    fixed_s += work.host_sync_s
     if fixed_s >= max(compute_s, memory_s):
         bound = "latency"
     else:
@@ -630,9 +632,12 @@ def _indirect_dma_s(target: Target, rows: int, nbytes: float) -> float:
 def _gather_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
     """Gathers (embedding, index_select, gather, index): GpSimd computes addresses for each
     index and the DMA moves one run per index; only the gathered rows cross HBM, not the
-    whole source. nonzero/masked_select (no index input) scan their input instead."""
+    whole source. A boolean index (x[mask]) selects by compaction (`_compaction_work`), and
+    gathers without an index input stream their input through GpSimd."""
     index = _index_inputs(ins)
     out_bytes = _total_bytes(outs)
+    if any(dtype == torch.bool for dtype, _ in index):
+        return _compaction_work(target, "index", ins, outs)
     if not index:
         return _elementwise_work(target, ins, outs, engine="gpsimd", flops_per_element=0)
     rows = sum(_numel(shape) for _, shape in index)
@@ -640,6 +645,50 @@ def _gather_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[Tensor
     address_s = _engine_passes(target, "gpsimd", rows, _int64_factor(target, index))
     hbm = _total_bytes(index) + 2 * out_bytes  # read the gathered runs, write the result
     return _Work({"gpsimd": max(address_s, dma_s)}, hbm, 0.0, engine="gpsimd")
+
+
+# Ops whose output size is the number of selected elements: the host reads the count back
+# before it can size the result (as CUDA's nonzero synchronises), so the kernel's time includes
+# that device-to-host read. nonzero_static has a static size and no read-back.
+DATA_DEPENDENT_SIZE_OPS = frozenset({"nonzero", "masked_select", "argwhere", "index"})
+COMPACTION_OPS = DATA_DEPENDENT_SIZE_OPS | {"nonzero_static"}
+
+
+def _compaction_work(target: Target, name: str, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:
+    """Stream compaction: nonzero, argwhere, masked_select, x[mask] (index with a boolean index),
+    nonzero_static. Over the E elements of the (broadcast) mask: one Vector pass makes the 0/1
+    flags (`!= 0`), a prefix sum gives each selected element its output slot (an in-partition
+    scan pass plus a pass adding each partition's offset, from a cross-partition scan of the 128
+    partition totals), then GpSimd computes each element's value (nonzero: its d coordinates, a
+    divide/modulo pair per dimension) and packs the selected ones to the front of its partition's
+    tile. The output is dense: each partition's selected elements of a tile land in one contiguous
+    range of it, so the DMA stores one run per partition and tile, not one per element. HBM: the
+    inputs read once, the output written, the count written. A mask over leading dimensions
+    (x[row_mask]) selects whole rows instead: one HBM -> HBM run per selected row. Ops in DATA_DEPENDENT_SIZE_OPS also pay the count's read-back to the host."""
+    masks = [shape for dtype, shape in ins[1:] if dtype == torch.bool] if name == "index" else []
+    elements = sum(map(_numel, masks)) if masks else max((_numel(shape) for _, shape in ins), default=0)
+    out_bytes = _total_bytes(outs)
+    coordinates = outs[0][1][-1] if name in ("nonzero", "argwhere", "nonzero_static") and outs and len(outs[0][1]) == 2 else 1
+    factor = _int64_factor(target, outs)
+    vector_s = _engine_passes(target, "vector", elements, 3)  # flags, scan, partition offsets
+    address_s = _engine_passes(target, "gpsimd", elements, (1 + 2 * coordinates) * factor)
+    count_bytes = torch.int64.itemsize
+    read = _total_bytes(ins)
+    rows = _numel(outs[0][1][:1]) if outs and outs[0][1] else 0
+    if masks and outs and _numel(outs[0][1]) > elements:  # x[row_mask]: selected rows copied HBM -> HBM
+        dma_s = dma_timing(target, out_bytes, descriptors=rows, src="hbm", dst="hbm").busy_s if rows else 0.0
+        read = _total_bytes([(torch.bool, shape) for shape in masks]) + out_bytes
+    else:
+        runs = target.partitions * _tiles(_lanes(elements, target)) if out_bytes else 0
+        dma_s = dma_timing(target, out_bytes, descriptors=runs, src="sbuf", dst="hbm").busy_s if runs else 0.0
+    work = _Work({"vector": vector_s, "gpsimd": address_s, "dma": dma_s},
+                 read + out_bytes + count_bytes, 0.0, engine="gpsimd")
+    if name in DATA_DEPENDENT_SIZE_OPS:
+        work.host_sync_s = _host_transfer_s(target, count_bytes)
+    return work
+
+
+_SPECIAL_WORK.update({name: _compaction_work for name in COMPACTION_OPS - {"index"}})
 
 
 def _scatter_work(target: Target, ins: Sequence[TensorSig], outs: Sequence[TensorSig]) -> _Work:

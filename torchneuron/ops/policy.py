@@ -25,7 +25,10 @@ DATA_MOVEMENT = _C.OP_POLICY["DATA_MOVEMENT"]  # moves bytes only: any dtype is 
 FP64_EMULATED = _C.OP_POLICY["FP64_EMULATED"]  # float64 elementwise arithmetic emulated on the engines (hardware.model)
 
 # Ops with no NeuronCore implementation in the real stack: dense linear-algebra factorisations,
-# FFTs, data-dependent output shapes and host-side sampling/statistics.
+# FFTs, sorting-based data-dependent output shapes (unique) and host-side sampling/statistics.
+# nonzero/masked_select (so boolean-mask indexing and argwhere) are native: a compaction kernel
+# (a prefix sum of the mask, then a scatter of the selected elements) whose output size the host
+# reads back, as CUDA's nonzero syncs (hardware.model prices both).
 HOST_ONLY_PATTERNS: tuple[str, ...] = (
     "aten::linalg_cholesky*", "aten::linalg_eig*", "aten::linalg_svd*", "aten::_linalg_svd*",
     "aten::linalg_qr*", "aten::linalg_lu*", "aten::linalg_solve*", "aten::_linalg_solve*",
@@ -34,7 +37,7 @@ HOST_ONLY_PATTERNS: tuple[str, ...] = (
     "aten::_linalg_eigvals*", "aten::linalg_pinv*", "aten::cholesky*", "aten::geqrf*", "aten::ormqr*",
     "aten::triangular_solve*", "aten::linalg_solve_triangular*", "aten::lu_unpack*", "aten::_lu_with_info*",
     "aten::_fft_*", "aten::fft_*", "aten::stft*", "aten::istft*",
-    "aten::_unique*", "aten::unique_*", "aten::nonzero*", "aten::masked_select*",
+    "aten::_unique*", "aten::unique_*",
     "aten::histogram*", "aten::_histogramdd*", "aten::multinomial*", "aten::kthvalue*",
     "aten::median*", "aten::nanmedian*", "aten::mode*", "aten::_cdist_backward*", "aten::searchsorted*",
     "aten::bucketize*", "aten::_cholesky_solve_helper*", "aten::cholesky_inverse*", "aten::polygamma*",
