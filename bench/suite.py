@@ -357,6 +357,10 @@ def growth(hidden: int = 32, seq: int = 16, scales: tuple[int, ...] = (1, 2, 4, 
     specs = {spec[0]: spec for spec in MODES}
     rows = []
     for config in growth_configs(hidden, seq, scales):
+        # Each scale compiles anew, as a process of its own would: otherwise Dynamo recompiles the
+        # optimizer step with dynamic shapes (not what is being measured), and the neuron backend
+        # turns Dynamo's TensorifyScalarRestartAnalysis on that recompile into a compile error.
+        torch._dynamo.reset()
         base, batch = config.build()
         built = []
         for name in modes:
