@@ -22,7 +22,13 @@ The warm-up of neuron compiled and adaptive runs twice, tiered execution off ("b
 and adaptive eager's programs forgotten, so both start cold. Inductor's one-off probe of the host's
 vector ISA (a few g++ runs) is done first and shown apart.
 
+With `--growth` it prints instead how a small transformers Llama's steady step grows with model
+width and with sequence length (x1, x2, x4, x8; --quick: up to x4): host time (CPU eager, neuron eager, adaptive,
+compiled) and modeled trn2 device time (neuron modes), each as a ratio to the x1 row of the same
+mode, so that a mode whose cost grows faster than its peers' shows.
+
     python bench/suite.py [--quick] [--models llama,gpt2,bert,cnn] [--rounds 7] [--steps 3]
+    python bench/suite.py --growth [--quick]
 """
 from __future__ import annotations
 
@@ -302,6 +308,107 @@ def summary(rows: list[dict]) -> None:
               f"{inductor.builds_done_s:6.2f} s = {on.builds_done_s / inductor.builds_done_s:5.2f}x (goal <= 1.5x)")
 
 
+# ------------------------------------------------------------------------------------------------
+# Growth with width and sequence length
+# ------------------------------------------------------------------------------------------------
+GROWTH_MODES = ("cpu eager", "neuron eager", "neuron adaptive", "neuron compiled")
+
+
+@dataclass(frozen=True)
+class GrowthConfig:
+    """A small Llama scaled along one dimension: width multiplies hidden and MLP sizes (heads
+    stay 4/2, so the head dimension grows), seq multiplies the sequence length."""
+
+    dim: str      # "width" | "seq"
+    scale: int
+    hidden: int
+    seq: int
+    batch: int = 2
+    layers: int = 2
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=self.hidden, intermediate_size=2 * self.hidden,
+                                          num_hidden_layers=self.layers, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=self.seq)
+        ids = torch.randint(0, VOCAB, (self.batch, self.seq))
+        return CausalLM(transformers.LlamaForCausalLM(config)), (ids, ids)
+
+
+def growth_configs(hidden: int, seq: int, scales: tuple[int, ...]) -> list[GrowthConfig]:
+    """x1 once, then each larger scale along width and along sequence length."""
+    configs = [GrowthConfig("base", 1, hidden, seq)]
+    for dim in ("width", "seq"):
+        for s in scales:
+            if s != 1:
+                configs.append(GrowthConfig(dim, s, hidden * s if dim == "width" else hidden,
+                                            seq * s if dim == "seq" else seq))
+    return configs
+
+
+def growth(hidden: int = 32, seq: int = 16, scales: tuple[int, ...] = (1, 2, 4, 8), modes: tuple[str, ...] = GROWTH_MODES,
+           warmup: int = 4, rounds: int = 3, steps: int = 2) -> list[dict]:
+    """Steady host seconds per step and modeled trn2 seconds per step of each mode on each config,
+    and their ratios to the x1 config of the same mode. One dict per (config, mode)."""
+    from torchneuron.compiler import wait_for_builds
+
+    specs = {spec[0]: spec for spec in MODES}
+    rows = []
+    for config in growth_configs(hidden, seq, scales):
+        # Each scale compiles anew, as a process of its own would: otherwise Dynamo recompiles the
+        # optimizer step with dynamic shapes (not what is being measured), and the neuron backend
+        # turns Dynamo's TensorifyScalarRestartAnalysis on that recompile into a compile error.
+        torch._dynamo.reset()
+        base, batch = config.build()
+        built = []
+        for name in modes:
+            mode = _new_mode(specs[name], base, batch)
+            for _ in range(warmup):  # compiles (tiered: the fused host code builds in the background)
+                mode.run(1)
+            if mode.backend or mode.adaptive:
+                wait_for_builds()
+                mode.run(1)
+            built.append(mode)
+        for _ in range(rounds):  # interleaved, as the main table
+            for mode in built:
+                mode.times.append(statistics.mean(mode.run(1) for _ in range(steps)))
+        for mode in built:
+            modeled = mode.modeled_step("trn2")
+            rows.append({"dim": config.dim, "scale": config.scale, "hidden": config.hidden, "seq": config.seq,
+                         "mode": mode.name, "host": statistics.median(mode.times),
+                         "device": modeled[0] if modeled else None})
+    first = {r["mode"]: r for r in rows if r["dim"] == "base"}
+    for r in rows:
+        x1 = first[r["mode"]]
+        r["host_x"] = r["host"] / x1["host"]
+        r["device_x"] = r["device"] / x1["device"] if r["device"] is not None else None
+    return rows
+
+
+def print_growth(rows: list[dict]) -> None:
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    x1 = next(r for r in rows if r["dim"] == "base")
+    print(f"\ngrowth of a steady step (Llama 2 layers, d={x1['hidden']}, seq {x1['seq']}, batch 2, AdamW), "
+          "as ratios to the x1 row of the same mode")
+    print("host: host time per step; trn2: modeled trn2 device time per step (neuron modes)")
+    header = " ".join(f"{'host ' + m:>22}" for m in modes) + " " + " ".join(
+        f"{'trn2 ' + m:>22}" for m in modes if m != "cpu eager")
+    print(f"{'scale':<12} {'d':>5} {'seq':>5} {header}")
+    by = {(r["dim"], r["scale"], r["mode"]): r for r in rows}
+    for dim, scale in dict.fromkeys((r["dim"], r["scale"]) for r in rows):
+        any_row = by[dim, scale, modes[0]]
+        label = "x1" if dim == "base" else f"{dim} x{scale}"
+        cells = [f"{by[dim, scale, m]['host_x']:21.2f}x" for m in modes]
+        cells += [f"{by[dim, scale, m]['device_x']:21.2f}x" for m in modes if m != "cpu eager"]
+        print(f"{label:<12} {any_row['hidden']:>5} {any_row['seq']:>5} {' '.join(cells)}")
+    print("x1 absolute: " + ", ".join(
+        f"{m} host {by['base', 1, m]['host'] * 1e3:.2f} ms" + (
+            f" trn2 {by['base', 1, m]['device'] * 1e6:.1f} us" if by['base', 1, m]['device'] is not None else "")
+        for m in modes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="llama and cnn only, 3 rounds")
@@ -310,7 +417,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per timed round")
     parser.add_argument("--warmup", type=int, default=8, help="steps timed one by one from cold")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a shared 2-core host: 1)")
+    parser.add_argument("--growth", action="store_true",
+                        help="only the growth table: width and sequence length x1, x2, x4, x8 of a small Llama "
+                             "(--quick: x1, x2, x4, 2 rounds)")
     args = parser.parse_args()
+    if args.growth:
+        torch.set_num_threads(args.threads)
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.recompile_limit = 64
+        dynamo_config.accumulated_recompile_limit = 4096
+        print(f"machine: {describe()}")
+        rows = growth(hidden=32, seq=16, scales=(1, 2, 4) if args.quick else (1, 2, 4, 8),
+                      rounds=2 if args.quick else args.rounds,
+                      warmup=3 if args.quick else 4, steps=1 if args.quick else args.steps)
+        print(f"\nmachine: {describe()}")
+        print_growth(rows)
+        return
     if args.quick:
         args.models, args.rounds, args.warmup = "llama,cnn", 3, 6
     torch.set_num_threads(args.threads)

@@ -52,7 +52,11 @@ MAX_EVENTS = settings.current().profiler_max_events
 # Stack walking
 # ------------------------------------------------------------------------------------------------
 _INTERNAL, _USER, _OPTIM = 0, 1, 2
-_code_class: dict[Any, int] = {}
+# Keyed by id(code), not by the code object: hashing a code object rehashes its bytecode, names
+# and constants every time (about 2 us for nn.Module._call_impl), once per frame per record.
+# The code objects are kept alive here, so their ids are never reused while they are keys.
+_code_class: dict[int, int] = {}
+_code_refs: list[Any] = []
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _USER_PKG_DIRS = (os.path.join(_PKG_DIR, "examples") + os.sep,)
@@ -72,7 +76,8 @@ def _classify_code(code: Any) -> int:
         cls = _INTERNAL
     else:
         cls = _USER
-    _code_class[code] = cls
+    _code_class[id(code)] = cls
+    _code_refs.append(code)
     return cls
 
 
@@ -94,7 +99,7 @@ def _where(frame: Any) -> tuple:
     get = _code_class.get
     while f is not None:
         code = f.f_code
-        cls = get(code)
+        cls = get(id(code))
         if cls is None:
             cls = _classify_code(code)
         if user_code is None:
@@ -146,7 +151,7 @@ class _Store:
         self.meta: list[dict | None] = []     # None for work-log entries
         self.batch, self.index, self.ctx = array("q"), array("q"), array("q")
         self.batches: list[np.ndarray] = []
-        self._interned: dict[tuple, tuple] = {}
+        self._interned: dict[tuple, tuple] = {}  # keyed by ids (see _code_class): no code hashing
         self._last_frame: Any = None
         self._last_lasti = -1
         self._last_where: tuple = ()
@@ -158,8 +163,9 @@ class _Store:
         # whose locals must not outlive them.
         if frame is None or frame is not self._last_frame or frame.f_lasti != self._last_lasti:
             where = _where(frame)
-            self._last_where = self._interned.setdefault(where, where)
-            keep = frame is not None and _code_class.get(frame.f_code) != _USER
+            code, line, inner, outer, optim = where
+            self._last_where = self._interned.setdefault((id(code), line, id(inner), id(outer), optim), where)
+            keep = frame is not None and _code_class.get(id(frame.f_code)) != _USER
             self._last_frame, self._last_lasti = (frame, frame.f_lasti) if keep else (None, -1)
         self.where.append(self._last_where)
         node = _current_node()
