@@ -12,6 +12,19 @@ pytest.importorskip("vllm", reason="the serving tests need the `serve` extra (vl
 from tests.serving import tiny_models  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test leaves torch's intra-op thread count as it found it. vLLM's engine sets the count
+    in the process that starts it, and its CPU worker replaces `torch.set_num_threads` with a no-op;
+    a later test would otherwise compute at another thread count (rounding differently from a
+    reference made earlier) and could not change it back."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    yield
+    torch.set_num_threads = set_num_threads
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def _plugin_installed() -> bool:
     return any(ep.name == "neuron" for ep in importlib.metadata.entry_points(group="vllm.platform_plugins"))
 
