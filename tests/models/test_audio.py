@@ -1,5 +1,5 @@
 """Whisper (log-mel features built in the test) trains and transcribes on neuron as on the CPU
-(checks: zoo_checks.py). The compiled case (FULL) runs with
+(checks: zoo_checks.py). The adaptive and compiled cases (FULL) run with
 `pytest tests/models/test_audio.py --zoo-full`."""
 import pytest
 
@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from .zoo_checks import FULL, cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"whisper": False}, "compiled": {"whisper": FULL}}
+SUBSETS = {"bf16": {"whisper": False}, "adaptive": {"whisper": FULL}, "compiled": {"whisper": FULL}}
 
 
 @pytest.mark.parametrize("name,mode", cases("audio", SUBSETS))

@@ -5,8 +5,8 @@ inference call (`generate`, or the forward pass) gives the CPU's tokens or outpu
 Modes: `eager`, `adaptive` (adaptive eager mode), `compiled` (`torch.compile(backend="neuron")`
 for the training forward and the forward passes inference makes), `bf16` (bfloat16 autocast on
 both devices). Each family's SUBSETS dict names the models a mode runs beyond eager: every zoo
-model has a `compiled` case; the quick ones run by default (marked slow), the rest only with
-`--zoo-full` (skipped otherwise, saying so), e.g. every compiled case:
+model has a case in every mode; the quick ones run by default (marked slow or not), the rest only
+with `--zoo-full` (skipped otherwise, saying so), e.g. every compiled case:
 
     PYTHONPATH=$PWD python -m pytest -q tests/models --zoo-full -k compiled --durations=0
 
