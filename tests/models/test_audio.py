@@ -1,13 +1,13 @@
 """Whisper (log-mel features built in the test) trains and transcribes on neuron as on the CPU
-(checks: zoo_checks.py). The adaptive and compiled cases (FULL) run with
+(checks: zoo_checks.py). Its adaptive and compiled cases run with
 `pytest tests/models/test_audio.py --zoo-full`."""
 import pytest
 
 pytest.importorskip("transformers")
 
-from .zoo_checks import FULL, cases, check  # noqa: E402
+from .zoo_checks import cases, check  # noqa: E402
 
-SUBSETS = {"bf16": {"whisper": False}, "adaptive": {"whisper": FULL}, "compiled": {"whisper": FULL}}
+SUBSETS = {"bf16": {"whisper": False}}
 
 
 @pytest.mark.parametrize("name,mode", cases("audio", SUBSETS))

@@ -4,9 +4,9 @@ inference call (`generate`, or the forward pass) gives the CPU's tokens or outpu
 
 Modes: `eager`, `adaptive` (adaptive eager mode), `compiled` (`torch.compile(backend="neuron")`
 for the training forward and the forward passes inference makes), `bf16` (bfloat16 autocast on
-both devices). Each family's SUBSETS dict names the models a mode runs beyond eager: every zoo
-model has a case in every mode; the quick ones run by default (marked slow or not), the rest only
-with `--zoo-full` (skipped otherwise, saying so), e.g. every compiled case:
+both devices). Every zoo model has a case in every mode. Each family's SUBSETS dict names the
+quick ones, which run by default (marked slow or not); the rest run only with `--zoo-full`
+(skipped otherwise, saying so), e.g. every compiled case:
 
     PYTHONPATH=$PWD python -m pytest -q tests/models --zoo-full -k compiled --durations=0
 
@@ -39,6 +39,7 @@ LOSS_BF16, GRAD_BF16_MARGIN = dict(rel=2e-2, abs=2e-2), 3e-2
 
 # A case of a SUBSETS entry: False (the default run), True (the default run, marked slow) or FULL
 # (marked slow and zoo_full: run with `pytest --zoo-full`, skipped otherwise; tests/conftest.py).
+# A model a mode's entry does not name runs that mode as FULL.
 FULL = "full"
 # Why the compiled MoE models (GPT-OSS, DeepSeek-V3, Jamba: transformers' grouped_mm experts in
 # float32) cannot train: an xfail reason. Not strict: in a full run GPT-OSS's case once passed after
@@ -52,23 +53,24 @@ GROUPED_MM_FALLBACK = (
 
 def cases(family: str, subsets: dict[str, dict[str, bool | str]],
           xfails: dict[tuple[str, str], str] | None = None) -> list:
-    """pytest params (name, mode) for the `family`'s models: every model in eager mode; a mode
-    listed in `subsets` runs the models it names (True: marked slow; FULL: slow and only with
-    --zoo-full). `xfails` maps (name, mode) to the precise reason the case cannot pass (an xfail;
-    not strict, see GROUPED_MM_FALLBACK)."""
+    """pytest params (name, mode) for the `family`'s models, one per model and mode: eager runs by
+    default; `subsets[mode]` names the models that run `mode` in the default run (True: marked
+    slow), and every other model runs it as FULL (slow, only with --zoo-full). `xfails` maps
+    (name, mode) to the precise reason the case cannot pass (an xfail; not strict, see
+    GROUPED_MM_FALLBACK)."""
     params = []
     for name, spec in MODELS.items():
         if spec.family != family:
             continue
         params.append(pytest.param(name, "eager", id=f"{name}-eager"))
-        for mode, names in subsets.items():
-            if name in names:
-                marks = [pytest.mark.slow] if names[name] else []
-                if names[name] == FULL:
-                    marks.append(pytest.mark.zoo_full)
-                if (name, mode) in (xfails or {}):
-                    marks.append(pytest.mark.xfail(strict=False, reason=xfails[name, mode]))
-                params.append(pytest.param(name, mode, id=f"{name}-{mode}", marks=marks))
+        for mode in MODES[1:]:
+            runs = subsets.get(mode, {}).get(name, FULL)
+            marks = [pytest.mark.slow] if runs else []
+            if runs == FULL:
+                marks.append(pytest.mark.zoo_full)
+            if (name, mode) in (xfails or {}):
+                marks.append(pytest.mark.xfail(strict=False, reason=xfails[name, mode]))
+            params.append(pytest.param(name, mode, id=f"{name}-{mode}", marks=marks))
     return params
 
 
