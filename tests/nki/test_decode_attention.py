@@ -60,6 +60,37 @@ def test_kernel_and_host_path_agree_to_bf16_rounding():
     assert (kernel.float() - host.float()).abs().max().item() <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,t,hq,hk,d,bs,lens,shared", [
+    (3, 1, 8, 2, 64, 32, [100, 40, 70], 1),
+    (2, 2, 8, 2, 128, 128, [300, 260], 2),
+    (2, 1, 4, 1, 32, 16, [1, 50], 0),          # a one-key context
+    (4, 1, 2, 1, 32, 256, [300, 700, 5, 256], 1),
+])
+def test_host_kernel_equals_the_torch_ops_with_the_kernels_numerics(b, t, hq, hk, d, bs, lens, shared, dtype):
+    """host() computes with one C++ kernel (ops/csrc/decode_attention.cpp); _attend(round_p=True)
+    is the same numerics as torch ops. They may part only by fp32 summation order: an ulp of the
+    output dtype at most, on few elements."""
+    q, cache, table, ctx = paged(b, t, hq, hk, d, bs, lens, dtype, shared)
+    scale = d ** -0.5
+    fast = da.host(q, cache, table, ctx.view(-1, 1), scale)
+    ops_path = da._attend(q, cache, table, ctx.view(-1, 1), scale, round_p=True)
+    assert fast.shape == (b, t, hq, d) and fast.dtype == dtype
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    gap = (fast.float() - ops_path.float()).abs() / ops_path.float().abs().clamp_min(1.0)
+    assert gap.max().item() <= ulp
+    assert (fast != ops_path).float().mean().item() <= (1.0 if dtype == torch.float32 else 0.05)
+    assert (fast.float() - da.reference(q, cache, table, ctx, scale)).abs().max().item() <= TOL[dtype]
+
+
+def test_host_kernel_names_its_operand_rules():
+    q, cache, table, ctx = paged(2, 1, 4, 2, 32, 32, [40, 9], torch.float32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.torchneuron.paged_decode_attention_host(q, cache.bfloat16(), table, ctx, 1.0)
+    with pytest.raises(RuntimeError, match="one row per sequence"):
+        torch.ops.torchneuron.paged_decode_attention_host(q, cache, table[:1], ctx, 1.0)
+
+
 def test_op_traces_under_compile_with_its_fake_implementation():
     q, cache, table, ctx = paged(2, 1, 4, 2, 64, 32, [40, 9], torch.float32)
     f = torch.compile(lambda a: ops.paged_decode_attention(a, cache, table, ctx), backend="eager", fullgraph=True)

@@ -240,8 +240,12 @@ def host(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, con
          scale: float = 1.0) -> torch.Tensor:
     """decode_attention's result computed with torch on the host, with the kernel's numerics:
     scores, softmax statistics and P V accumulate in fp32 from the input-dtype operands, P is
-    rounded to the input dtype before P V (as the kernel's p tile), the output cast back."""
+    rounded to the input dtype before P V (as the kernel's p tile), the output cast back. CPU
+    operands (the host views of device tensors) run one C++ kernel of those numerics,
+    `torchneuron::paged_decode_attention_host`; others the same steps as torch ops."""
     check_shapes(q, kv_cache, block_table)
+    if q.device.type == "cpu" and kv_cache.device.type == "cpu":  # one C++ kernel (ops/csrc/decode_attention.cpp)
+        return torch.ops.torchneuron.paged_decode_attention_host(q, kv_cache, block_table, context_lens, scale)
     return _attend(q, kv_cache, block_table, context_lens, scale, round_p=True)
 
 

@@ -250,18 +250,20 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch
     the first ceil(max context / block size) columns of the block table: what
     `kernels.torch_ops.paged_decode_attention` runs for neuron tensors (the table's columns and a
     strided query made contiguous on the device, the kernel's host numerics, charged the kernel's
-    price, its result copied into `output` on the device), called directly on the host views,
+    price, its result written into `output`, through a copy on the device if `output` is strided),
+    called directly on the host views,
     without the custom-op and NKI-bridge layers around it (the operands' checks are
     _decode_refusal's)."""
     _ready()
     b = query.shape[0] // t
     bs = kv_cache.shape[2] // 2
-    lens = seq_lens[:b]
-    width = -(-int(_host(lens).max()) // bs)
-    table = block_table[:b, :width].contiguous()
-    q = query.view(b, t, *query.shape[1:]).contiguous()  # the kernel reads q [B, T, Hq, d] row-major
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _host(out).copy_(nki_decode.host(_host(q), _host(kv_cache), _host(table), _host(lens).view(b, 1), scale))
+    lens = _host(seq_lens)[:b]
+    width = -(-int(lens.max()) // bs)
+    table = block_table[:b, :width]
+    table = table if table.is_contiguous() else table.contiguous()
+    q = query.view(b, t, *query.shape[1:])  # the kernel reads q [B, T, Hq, d] row-major
+    q = q if q.is_contiguous() else q.contiguous()
+    result = nki_decode.host(_host(q), _host(kv_cache), _host(table), lens.view(b, 1), scale)
     key = (get_target().name, q.dtype, q.shape, kv_cache.shape, width)
     priced = _decode_prices.get(key)
     if priced is None:  # the table and lengths as the kernel takes them: int32 [B, width] and [B, 1]
@@ -271,7 +273,12 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch
         priced = _decode_prices[key] = stats_cost(priced_stats(_DECODE_OP, sigs))
     cost, meta = priced
     _enqueue("nki::decode_attention", cost, q.device.index, meta)
-    output.view(out.shape).copy_(out)
+    if output.is_contiguous():  # the kernel writes its [B, T, Hq, d] rows straight into output
+        _host(output).view(result.shape).copy_(result)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _host(out).copy_(result)
+        output.view(out.shape).copy_(out)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
