@@ -129,8 +129,10 @@ def drain() -> None:
 
 
 # Below this many records, numpy's per-call overhead outweighs vectorising: price and apply each
-# record in plain Python (the common case when a collective or compiled graph charges its work).
-_SMALL_BATCH = 32
+# record in plain Python (the common case when a collective or compiled graph charges its work, or a
+# serving step reads the clock). Measured here: the Python path costs ~4.5 us a record, the numpy
+# path ~350 us plus ~1.2 us a record; they cross near 110 records.
+_SMALL_BATCH = 96
 
 
 _HEAD = struct.Struct("<8iqd")  # kind, op_id, device, stream, flags, n_inputs, n_sigs, pad, aux, host_seconds
@@ -154,8 +156,12 @@ _KEY_SPANS = _key_spans()
 
 
 def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
+    """Prices and applies records one by one. With no listener, the work between control records
+    is charged per stream in bulk (as drain's vectorised path does): one clock advance a run."""
     data = records.tobytes()
     size = RECORD.itemsize
+    bulk = not device_timeline.has_listeners()
+    runs: dict[tuple[int, int], list] = {}  # (device, stream) -> [seconds, {engine: busy}, count]
     for i in range(len(records)):
         at = i * size
         kind, op_id, device, stream, flags, _, _, _, aux, _ = _HEAD.unpack_from(data, at)
@@ -168,7 +174,26 @@ def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
                 cost = _price_cache.get(key)
                 if cost is None:
                     cost = _price_cache[key] = _price(records[i])
+            if bulk:
+                run = runs.get((device, stream))
+                if run is None:
+                    run = runs[device, stream] = [0.0, {}, 0]
+                run[0] += cost.duration_s
+                run[1][cost.engine] = run[1].get(cost.engine, 0.0) + cost.duration_s
+                run[2] += 1
+                continue
+        if runs:
+            _advance_runs(runs, device_timeline)
         _apply(kind, device, stream, op_id, flags, aux, cost, device_timeline)
+    if runs:
+        _advance_runs(runs, device_timeline)
+
+
+def _advance_runs(runs: dict[tuple[int, int], list], device_timeline: Any) -> None:
+    """Charges _drain_small's runs of work, each to its stream, and empties `runs`."""
+    for (device, stream), (seconds, busy, count) in runs.items():
+        device_timeline.get_timeline(device).advance(stream, seconds, busy, count)
+    runs.clear()
 
 
 def _charge_run(records: np.ndarray, lanes: np.ndarray, durations: np.ndarray, engine_of: np.ndarray,
