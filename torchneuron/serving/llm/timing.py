@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from torchneuron import settings
+from torchneuron import eager, settings
 from torchneuron.hardware import get_target
 from torchneuron.hardware import timeline as device_timeline
+from torchneuron.runtime import _C as fast
 
 ENV = "TORCHNEURON_SERVING_TIMING_DIR"
 FILE = "requests.jsonl"
@@ -62,6 +63,19 @@ class StepTimer:
     requests: dict[str, RequestTime] = field(default_factory=dict)
     _file: Any = None
     _open: tuple[float, list[str]] | None = None
+    _last_read: tuple[int, float] | None = None  # (timeline entries, clock) at the last reading
+
+    def _clock(self) -> float:
+        """device_now, without draining the work log when nothing was charged or recorded since
+        the last reading (a step's start right after the previous step's end): the clock has
+        not moved then."""
+        timeline = device_timeline.get_timeline(self.device.index or 0)
+        last = self._last_read
+        if last is not None and last[0] == timeline.entries and not fast.worklog_pending() and not eager.pending():
+            return last[1]
+        now = device_now(self.device)
+        self._last_read = (timeline.entries, now)
+        return now
 
     def __post_init__(self) -> None:
         directory = settings.current().serving_timing_dir
@@ -74,7 +88,7 @@ class StepTimer:
         for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self.requests.pop(req_id, None)
         scheduled = list(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
-        self._open = (device_now(self.device), scheduled) if scheduled else None
+        self._open = (self._clock(), scheduled) if scheduled else None
 
     def end(self, output_counts: dict[str, int]) -> None:
         """The step's tokens are sampled: output_counts[req] is the request's output length now."""
@@ -82,7 +96,7 @@ class StepTimer:
             return
         start, scheduled = self._open
         self._open = None
-        duration = device_now(self.device) - start
+        duration = self._clock() - start
         for req_id in scheduled:
             record = self.requests.get(req_id)
             if record is None:
