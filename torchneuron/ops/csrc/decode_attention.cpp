@@ -29,9 +29,10 @@ namespace {
 // head dimension in order; the loops run over a block's keys innermost (K^T rows are contiguous)
 // and read each key and value once for the whole group.
 // The build's -O2 leaves these loops scalar (GCC vectorises at -O2 only where no runtime alias
-// check is needed); -O3 vectorises them: ~5x faster here.
+// check is needed); -O3 vectorises them, with an AVX2 clone where the CPU has it: ~3x faster here.
 template <typename scalar_t>
-__attribute__((optimize("O3"), target_clones("avx2", "default"))) void attend_group(const scalar_t* q, const scalar_t* cache, const int64_t* blocks, int64_t n_blocks, int64_t seen,
+__attribute__((optimize("O3"), target_clones("avx2", "default")))
+void attend_group(const scalar_t* q, const scalar_t* cache, const int64_t* blocks, int64_t n_blocks, int64_t seen,
                   int64_t group, int64_t d, int64_t bs, int64_t block_stride, float scale, scalar_t* out,
                   std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t keys = std::max<int64_t>(0, std::min(seen, n_blocks * bs));
@@ -50,7 +51,6 @@ __attribute__((optimize("O3"), target_clones("avx2", "default"))) void attend_gr
     }
   }
   acc.assign(static_cast<size_t>(group * d), 0.f);
-  std::vector<float> totals(static_cast<size_t>(group), 0.f);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores.data() + g * keys;
     float best = -std::numeric_limits<float>::infinity();

@@ -259,10 +259,8 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch
     bs = kv_cache.shape[2] // 2
     lens = _host(seq_lens)[:b]
     width = -(-int(lens.max()) // bs)
-    table = block_table[:b, :width]
-    table = table if table.is_contiguous() else table.contiguous()
-    q = query.view(b, t, *query.shape[1:])  # the kernel reads q [B, T, Hq, d] row-major
-    q = q if q.is_contiguous() else q.contiguous()
+    table = block_table[:b, :width].contiguous()
+    q = query.view(b, t, *query.shape[1:]).contiguous()  # the kernel reads q [B, T, Hq, d] row-major
     result = nki_decode.host(_host(q), _host(kv_cache), _host(table), lens.view(b, 1), scale)
     key = (get_target().name, q.dtype, q.shape, kv_cache.shape, width)
     priced = _decode_prices.get(key)
