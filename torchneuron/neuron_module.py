@@ -26,9 +26,9 @@ from torchneuron.runtime.device import (
     set_device, synchronize,
 )
 from torchneuron.runtime.memory import (
-    empty_cache, ipc_collect, max_memory_allocated, max_memory_reserved, mem_get_info, memory_allocated,
-    memory_reserved, memory_stats, memory_summary, reset_accumulated_memory_stats, reset_max_memory_allocated,
-    reset_peak_memory_stats,
+    empty_cache, get_per_process_memory_fraction, ipc_collect, max_memory_allocated, max_memory_reserved,
+    mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_summary, reset_accumulated_memory_stats,
+    reset_max_memory_allocated, reset_peak_memory_stats, set_per_process_memory_fraction,
 )
 from torchneuron.runtime.random import (
     get_rng_state, get_rng_state_all, initial_seed, manual_seed, manual_seed_all, seed, seed_all,
@@ -58,11 +58,13 @@ __all__ = [
     "Event", "NeuronDeviceProperties", "OutOfMemoryError", "Stream", "StreamContext", "can_device_access_peer",
     "current_device", "current_stream", "default_stream", "device", "device_count", "device_of", "empty_cache",
     "fallback_counts", "get_amp_supported_dtype", "get_device_capability", "get_device_name",
-    "get_device_properties", "get_rng_state", "get_rng_state_all", "init", "initial_seed", "ipc_collect",
+    "get_device_properties", "get_per_process_memory_fraction", "get_rng_state", "get_rng_state_all", "init",
+    "initial_seed", "ipc_collect",
     "is_available", "is_bf16_supported", "is_current_stream_capturing", "is_initialized", "is_strict",
     "is_tf32_supported", "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
     "mem_get_info", "memory", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary", "random",
     "reset_accumulated_memory_stats", "reset_fallback_counts", "reset_max_memory_allocated",
     "reset_peak_memory_stats", "seed", "seed_all", "set_device", "set_rng_state", "set_rng_state_all",
-    "set_stream", "set_strict", "stream", "synchronize", "_is_compiled", "_is_in_bad_fork", "_lazy_init",
+    "set_per_process_memory_fraction", "set_stream", "set_strict", "stream", "synchronize", "_is_compiled",
+    "_is_in_bad_fork", "_lazy_init",
 ]

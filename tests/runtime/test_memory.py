@@ -57,6 +57,31 @@ def test_out_of_memory_is_clear_and_recoverable():
         torchneuron.set_memory_capacity(old)
 
 
+def test_per_process_memory_fraction_limits_what_the_process_may_reserve():
+    """torch.cuda's per-process limit: past fraction * capacity an allocation raises, naming the
+    fraction; below it allocations succeed; the device's capacity (mem_get_info) is unchanged."""
+    old = torch.neuron.mem_get_info()[1]
+    torchneuron.set_memory_capacity(64 * 2**20)
+    try:
+        assert torch.neuron.get_per_process_memory_fraction() == 1.0
+        torch.neuron.set_per_process_memory_fraction(0.25)
+        assert torch.neuron.get_per_process_memory_fraction() == 0.25
+        small = torch.empty(8, 2**20, dtype=torch.uint8, device="neuron")  # 8 MiB of the 16 MiB allowed
+        with pytest.raises(torch.OutOfMemoryError, match="memory fraction set to 0.25"):
+            torch.empty(12, 2**20, dtype=torch.uint8, device="neuron")
+        assert torch.neuron.mem_get_info()[1] == 64 * 2**20
+        torch.neuron.set_per_process_memory_fraction(1.0)
+        big = torch.empty(40, 2**20, dtype=torch.uint8, device="neuron")  # fits the whole capacity again
+        assert big.numel() + small.numel() == 48 * 2**20
+        with pytest.raises(RuntimeError, match="Allowed range: 0~1"):
+            torch.neuron.set_per_process_memory_fraction(1.5)
+        with pytest.raises(TypeError, match="must be a float"):
+            torch.neuron.set_per_process_memory_fraction("half")
+    finally:
+        torch.neuron.set_per_process_memory_fraction(1.0)
+        torchneuron.set_memory_capacity(old)
+
+
 def test_storage_and_resize():
     s = torch.UntypedStorage(16, device="neuron")
     assert s.device.type == "neuron" and s.nbytes() == 16

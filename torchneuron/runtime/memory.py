@@ -36,6 +36,19 @@ def capacity(device: Any = None) -> int:
     return int(runtime_ops().memory_capacity(device_index(device)))
 
 
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Limits this process to `fraction` (0 to 1) of the device's capacity, as torch.cuda's: an
+    allocation that would reserve more raises torch.OutOfMemoryError (after freeing the cache)."""
+    if not isinstance(fraction, (float, int)) or isinstance(fraction, bool):
+        raise TypeError(f"Invalid type for fraction argument: {type(fraction).__name__}, must be a float")
+    runtime_ops().set_memory_fraction(device_index(device), float(fraction))
+
+
+def get_per_process_memory_fraction(device: Any = None) -> float:
+    """The share of the device's capacity this process may reserve (1.0 unless set)."""
+    return float(runtime_ops().memory_fraction(device_index(device)))
+
+
 def _dev(device: Any) -> torch.device:
     return torch.device("neuron", device_index(device))
 

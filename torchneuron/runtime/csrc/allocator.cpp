@@ -44,6 +44,8 @@ static std::string format_bytes(size_t n) {
 struct DeviceMemory {
   std::mutex mutex;
   size_t capacity = size_t(16) << 30;
+  double fraction = 1.0;  // torch.neuron.set_per_process_memory_fraction: this process may reserve
+                          // at most fraction * capacity (CUDA's per-process limit)
   std::multimap<size_t, void*> cache;  // free blocks by size
   size_t cached_bytes = 0;
   DeviceStats stats;
@@ -82,6 +84,9 @@ struct DeviceMemory {
     stats.num_device_free++;
   }
   size_t reserved() const { return static_cast<size_t>(stats.reserved_bytes[kAgg].current); }
+  size_t allowed() const {  // the bytes this process may reserve: the capacity, or its fraction
+    return fraction >= 1.0 ? capacity : static_cast<size_t>(fraction * static_cast<double>(capacity));
+  }
   void release_cache() {  // caller holds the mutex
     for (auto& [size, ptr] : cache) {
       c10::free_cpu(ptr);
@@ -94,9 +99,14 @@ struct DeviceMemory {
     stats.num_ooms++;
     const size_t in_use = static_cast<size_t>(stats.allocated_bytes[kAgg].current);
     const size_t free_bytes = capacity > reserved() ? capacity - reserved() : 0;
+    std::ostringstream limit;
+    if (fraction < 1.0)
+      limit << " This process has a memory fraction set to " << fraction << " (" << format_bytes(allowed())
+            << "; torch.neuron.set_per_process_memory_fraction raises it).";
     TORCH_CHECK_WITH(OutOfMemoryError, false, "NEURON out of memory. Tried to allocate ",
                      format_bytes(requested), ". neuron:", int(index), " has a total capacity of ",
-                     format_bytes(capacity), " of which ", format_bytes(free_bytes), " is free. Of the allocated memory ",
+                     format_bytes(capacity), " of which ", format_bytes(free_bytes), " is free.", limit.str(),
+                     " Of the allocated memory ",
                      format_bytes(in_use), " is allocated by PyTorch, and ", format_bytes(reserved() - std::min(reserved(), in_use)),
                      " is reserved by PyTorch but unallocated. Free tensors you no longer need (del, then "
                      "torch.neuron.empty_cache()), use a smaller batch, or raise the modeled HBM capacity with "
@@ -104,10 +114,10 @@ struct DeviceMemory {
   }
   // Makes room for `block` more reserved bytes or raises; caller holds the mutex.
   void ensure_room(c10::DeviceIndex index, size_t block, size_t requested) {
-    if (reserved() + block <= capacity) return;
+    if (reserved() + block <= allowed()) return;
     stats.num_alloc_retries++;
     release_cache();
-    if (reserved() + block > capacity) out_of_memory(index, requested);
+    if (reserved() + block > allowed()) out_of_memory(index, requested);
   }
 };
 
@@ -255,6 +265,18 @@ static int64_t memory_capacity(int64_t device) {
   std::lock_guard<std::mutex> lock(m.mutex);
   return static_cast<int64_t>(m.capacity);
 }
+static void set_memory_fraction(int64_t device, double fraction) {
+  TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "Invalid fraction value: ", fraction,
+              ". Allowed range: 0~1 (a share of neuron:", device, "'s memory capacity)");
+  DeviceMemory& m = memory_of(static_cast<c10::DeviceIndex>(device));
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.fraction = fraction;
+}
+static double memory_fraction(int64_t device) {
+  DeviceMemory& m = memory_of(static_cast<c10::DeviceIndex>(device));
+  std::lock_guard<std::mutex> lock(m.mutex);
+  return m.fraction;
+}
 static int64_t cached_bytes(int64_t device) {
   DeviceMemory& m = memory_of(static_cast<c10::DeviceIndex>(device));
   std::lock_guard<std::mutex> lock(m.mutex);
@@ -265,6 +287,8 @@ TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("set_memory_capacity(int device, int nbytes) -> ()", &set_memory_capacity);
   m.def("memory_capacity(int device) -> int", &memory_capacity);
   m.def("cached_bytes(int device) -> int", &cached_bytes);
+  m.def("set_memory_fraction(int device, float fraction) -> ()", &set_memory_fraction);
+  m.def("memory_fraction(int device) -> float", &memory_fraction);
 }
 
 }  // namespace torchneuron
