@@ -3,7 +3,8 @@
 
 Owns the life of one kernel call: wrap the caller's arrays as HBM tensors (zero-copy for
 reads, staged on first write), run the kernel body once per SPMD instance inside a `Run`,
-turn failures into errors that carry the kernel's file and line, commit staged outputs
+turn failures into errors that carry the kernel's file and line (how the programs run and
+meet at collectives is programs.py's), commit staged outputs
 only on success, and return results in the caller's array type. Modeled latency and
 per-engine utilisation of the last call are kept on the kernel (`kernel.last_stats`).
 """
@@ -26,6 +27,7 @@ from ..hardware.targets import TARGETS, Target, get_target
 from . import dtypes as _dt
 from .errors import DTypeError, KernelError, NKIError, traceback_location
 from .on_device import call_on_device, has_neuron_tensors
+from .programs import NeedsCooperative, make_programs
 from .scheduler import Scheduler
 from .simulator import Run, set_current, active
 from .tile import Buffer, Tile
@@ -102,7 +104,20 @@ class Kernel:
     # ------------------------------------------------------------------------------------
     def run(self, args: tuple, kwargs: dict, *, trace: bool = False,
             target: Target | None = None) -> tuple[Any, KernelStats]:
-        """Simulate one call; returns (outputs in the caller's array type, KernelStats)."""
+        """Simulate one call; returns (outputs in the caller's array type, KernelStats).
+        Programs run one after another until a collective spans several of them; then the
+        launch restarts with the programs as cooperating threads (programs.py), and this
+        kernel keeps launching that way."""
+        root = getattr(self, "_parent", self)
+        if not getattr(root, "_cooperative", False):
+            try:
+                return self._launch(args, kwargs, trace, target, cooperative=False)
+            except NeedsCooperative:
+                root._cooperative = True  # nothing was committed: the caller's tensors are intact
+        return self._launch(args, kwargs, trace, target, cooperative=True)
+
+    def _launch(self, args: tuple, kwargs: dict, trace: bool, target: Target | None,
+                cooperative: bool) -> tuple[Any, KernelStats]:
         timing_only = any(isinstance(a, TensorType) for a in itertools.chain(args, kwargs.values()))
         run = Run(target or _target(self.platform_target), compute=not timing_only, trace=trace)
         want_numpy = any(isinstance(a, np.ndarray) for a in itertools.chain(args, kwargs.values()))
@@ -123,13 +138,8 @@ class Kernel:
         gc.disable()  # tiles and access records form no cycles; collections only cost time here
         try:
             run.grid = grid if self.grid else ()
-            for idx, pid in enumerate(itertools.product(*[range(g) for g in grid])):
-                run.flush()
-                run.sched = scheds[idx % ncores] if ncores > 1 else scheds[0]
-                run.program_id = pid if self.grid else (0,)
-                run.shared_count = 0
-                result = self.fn(*kargs, **kkw)
-            run.flush()
+            run.programs = make_programs(run, run.grid, scheds, cooperative)
+            result = run.programs.run_all(lambda: self.fn(*kargs, **kkw))
         except NKIError:
             raise
         except Exception as e:  # the kernel's own code failed: name its line

@@ -110,6 +110,8 @@ class Run:
                          on_spill=self._charge_spill)
         self.ncores = 1             # NeuronCores of the launch grid (nl.nc(n))
         self.program_id: tuple = ()
+        self.rank = 0               # flat index of the running program (its collective rank)
+        self.programs = None        # the launch's programs (programs.py): collectives meet there
         self.grid: tuple = ()
         self.shared: dict = {}      # n-th shared_hbm allocation -> Buffer (shared by SPMD instances)
         self.shared_count = 0
