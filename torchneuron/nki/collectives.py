@@ -12,7 +12,11 @@ permutes HBM only), reductions `nl.add` / `nl.minimum` / `nl.maximum`, `collecti
 
 Ranks. On a Trainium a rank is a (logical) NeuronCore; here it is a program of the launch
 grid: `kernel[4](...)` runs ranks 0-3, `kernel[2, 2](...)` ranks 0-3 row-major, and
-`nl.program_id` and `rank_id()` agree. How programs wait for each other is programs.py's.
+`nl.program_id` and `rank_id()` agree. A launch whose programs meet at collectives gives each
+program its own NeuronCore timeline (jit.py). How programs wait for each other is
+programs.py's. All ranks see the same kernel arguments (select a rank's slice with
+`program_id` / `rank_id`); AWS's multi-device launch, each rank with its own inputs and its
+own grid (LNC=2), is not modeled.
 
 Numerics: a reduction runs in fp32 (int32 data in int64) over the ranks in rank-list order and
 rounds once to the destination dtype. Assumption: AWS does not document the collective
@@ -287,6 +291,17 @@ def _check_priority(what: str, priority: int | None) -> None:
         raise CollectiveError(f"{what}: priority={priority}; DMA priority levels are 0-3 (0 highest)")
 
 
+def _operands(what: str, srcs: Any, dsts: Any, priority: int | None, *, sbuf_ok: bool,
+              reduces: bool = False) -> tuple[list[Tile], list[Tile]]:
+    """The checked `srcs` / `dsts` lists of one call (memory spaces, dtypes, priority)."""
+    srcs, dsts = _tiles(srcs, "srcs", what), _tiles(dsts, "dsts", what)
+    _check_memory(what, srcs, dsts, sbuf_ok=sbuf_ok)
+    if reduces:
+        _check_reducible(what, srcs)
+    _check_priority(what, priority)
+    return srcs, dsts
+
+
 def _members(replica_group: Any, what: str) -> tuple:
     run = current()
     return _group(replica_group).members_of(run.rank, run.programs.world, what)
@@ -297,10 +312,7 @@ def all_reduce(srcs: list, dsts: list, replica_group: ReplicaGroup, op: Any,
                priority: int | None = None, name: str | None = None) -> None:
     """Every rank of a rank-list gets the elementwise `op` of all its ranks' `srcs`."""
     what = "all_reduce"
-    srcs, dsts = _tiles(srcs, "srcs", what), _tiles(dsts, "dsts", what)
-    _check_memory(what, srcs, dsts, sbuf_ok=True)
-    _check_reducible(what, srcs)
-    _check_priority(what, priority)
+    srcs, dsts = _operands(what, srcs, dsts, priority, sbuf_ok=True, reduces=True)
     op_name = _op_name(op, what)
     for s, d in zip(srcs, dsts):
         _expect_shape(what, d, s.shape, "the src")
@@ -317,9 +329,7 @@ def all_gather(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_d
                priority: int | None = None, name: str | None = None) -> None:
     """Every rank gets all ranks' `srcs` concatenated along `collective_dim`, in rank-list order."""
     what = "all_gather"
-    srcs, dsts = _tiles(srcs, "srcs", what), _tiles(dsts, "dsts", what)
-    _check_memory(what, srcs, dsts, sbuf_ok=True)
-    _check_priority(what, priority)
+    srcs, dsts = _operands(what, srcs, dsts, priority, sbuf_ok=True)
     dim = _check_dim(what, collective_dim, srcs, (0,), (0, 1))
     members = _members(replica_group, what)
     n = len(members)
@@ -341,10 +351,7 @@ def reduce_scatter(srcs: list, dsts: list, replica_group: ReplicaGroup, collecti
     """The `op` of all ranks' `srcs`, split along `collective_dim` into one chunk per rank: the
     k-th rank of a rank-list gets chunk k."""
     what = "reduce_scatter"
-    srcs, dsts = _tiles(srcs, "srcs", what), _tiles(dsts, "dsts", what)
-    _check_memory(what, srcs, dsts, sbuf_ok=True)
-    _check_reducible(what, srcs)
-    _check_priority(what, priority)
+    srcs, dsts = _operands(what, srcs, dsts, priority, sbuf_ok=True, reduces=True)
     op_name = _op_name(op, what)
     _check_dim(what, collective_dim, srcs, (0,), (0,))
     members = _members(replica_group, what)
@@ -369,9 +376,7 @@ def all_to_all(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_d
     """Each rank splits its `srcs` along dim 0 into one chunk per rank and sends chunk k to the
     k-th rank of its rank-list; a rank's `dsts` are the chunks it receives, in rank-list order."""
     what = "all_to_all"
-    srcs, dsts = _tiles(srcs, "srcs", what), _tiles(dsts, "dsts", what)
-    _check_memory(what, srcs, dsts, sbuf_ok=False)
-    _check_priority(what, priority)
+    srcs, dsts = _operands(what, srcs, dsts, priority, sbuf_ok=False)
     _check_dim(what, collective_dim, srcs, (0,), ())
     members = _members(replica_group, what)
     n = len(members)
@@ -413,9 +418,7 @@ def collective_permute(srcs: list, dsts: list, source_target_pairs: list,
                        priority: int | None = None, name: str | None = None) -> None:
     """Send each source rank's `srcs` to its target rank's `dsts`, as `source_target_pairs` says."""
     what = "collective_permute"
-    srcs, dsts = _tiles(srcs, "srcs", what), _tiles(dsts, "dsts", what)
-    _check_memory(what, srcs, dsts, sbuf_ok=False)
-    _check_priority(what, priority)
+    srcs, dsts = _operands(what, srcs, dsts, priority, sbuf_ok=False)
     if len(srcs) != 1:
         raise CollectiveError(f"{what}: takes exactly one tensor in srcs and dsts (coalesced "
                               "permutes are not supported by NKI); call it once per tensor")

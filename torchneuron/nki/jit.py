@@ -128,7 +128,10 @@ class Kernel:
         for g in self.grid:
             if hasattr(g, "n") and not isinstance(g, int):
                 ncores = max(ncores, g.n)
-        scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(ncores - 1)]
+        # A launch whose programs meet at collectives runs one rank per NeuronCore (AWS's ranks
+        # are NeuronCores): each program gets its own engines' timeline.
+        timelines = max(ncores, int(np.prod(grid))) if cooperative else ncores
+        scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(timelines - 1)]
         run.ncores = ncores
         set_current(run)
         result = None
