@@ -378,3 +378,21 @@ def test_kernel_errors_in_one_rank_stop_the_launch():
 
     with pytest.raises(KernelError, match="rank 1 broke"):
         _run_error(boom)
+
+
+def test_ring_permute_on_sbuf_with_two_channels():
+    """nki-library's fine-grained all-gather runs the implicit ring permute on SBUF, a channel
+    per half of the tile."""
+    n, half = 4, ROWS // 2
+
+    def call(s, d):
+        ncc.collective_permute_implicit(srcs_by_channel=[[s[0:half, :]], [s[half:ROWS, :]]],
+                                        dsts_by_channel=[[d[0:half, :]], [d[half:ROWS, :]]],
+                                        replica_group=_everyone(n), channel_ids=[0, 1])
+        assert int(ncc.collective_permute_implicit_current_processing_rank_id(1, _everyone(n))) == \
+            (nl.program_id(0) - 1) % n
+
+    x = _inputs(n, torch.float32)
+    out = _launch(call, (ROWS, COLS), n, buffer=nl.sbuf)(x)
+    for r in range(n):
+        assert torch.equal(out[r], x[(r - 1) % n])

@@ -7,7 +7,8 @@ Trn3"; docs page nki/api/nki.collectives.rst and its generated pages): `ReplicaG
 `collective_permute_implicit_reduce`, `collective_permute_implicit_current_processing_rank_id`,
 `rank_id` and `self_index_in_replica_group`, with AWS's argument names and rules: `srcs` /
 `dsts` are lists (coalesced only on HBM), tensors all on HBM or all on SBUF (all-to-all and the
-permutes HBM only), reductions `nl.add` / `nl.minimum` / `nl.maximum`, `collective_dim` 0 (and
+explicit permute HBM only; AWS's nki-library runs the implicit ring permute on SBUF too),
+reductions `nl.add` / `nl.minimum` / `nl.maximum`, `collective_dim` 0 (and
 1 for a 2-D SBUF all-gather). Not provided: `all_to_all_v` (runtime-sized exchange).
 
 Ranks. On a Trainium a rank is a (logical) NeuronCore; here it is a program of the launch
@@ -176,7 +177,9 @@ def _tiles(xs: Any, arg: str, what: str) -> list[Tile]:
     return list(xs)
 
 
-def _check_memory(what: str, srcs: list[Tile], dsts: list[Tile], sbuf_ok: bool) -> None:
+def _check_memory(what: str, srcs: list[Tile], dsts: list[Tile], sbuf_ok: bool,
+                  channels: bool = False) -> None:
+    """`channels`: the lists hold one tensor per ring channel (not a coalesced transfer)."""
     spaces = {"hbm" if t.buf.kind in HBM_KINDS else t.buf.kind for t in srcs + dsts}
     if "psum" in spaces:
         raise CollectiveError(f"{what}: a tensor is in PSUM; collectives read and write HBM or SBUF: "
@@ -187,7 +190,7 @@ def _check_memory(what: str, srcs: list[Tile], dsts: list[Tile], sbuf_ok: bool) 
     if "sbuf" in spaces and not sbuf_ok:
         raise CollectiveError(f"{what}: tensors must be on HBM (SBUF is not supported for it); "
                               "dma_copy them to an nl.shared_hbm / nl.private_hbm tensor")
-    if "sbuf" in spaces and len(srcs) > 1:
+    if "sbuf" in spaces and len(srcs) > 1 and not channels:
         raise CollectiveError(f"{what}: several tensors in one call (coalesced) need HBM; on SBUF "
                               "pass one tensor per call")
     if len(srcs) != len(dsts):
@@ -471,7 +474,7 @@ def collective_permute_implicit(srcs_by_channel: list, dsts_by_channel: list, re
     what = "collective_permute_implicit"
     srcs, dsts = _channels(what, channel_ids, ("srcs_by_channel", srcs_by_channel),
                            ("dsts_by_channel", dsts_by_channel))
-    _check_memory(what, srcs, dsts, sbuf_ok=False)
+    _check_memory(what, srcs, dsts, sbuf_ok=True, channels=True)
     _check_priority(what, priority)
     for s, d in zip(srcs, dsts):
         _expect_shape(what, d, s.shape, "the src")
@@ -493,7 +496,7 @@ def collective_permute_implicit_reduce(srcs0_by_channel: list, srcs1_by_channel:
         _expect_shape(what, b, a.shape, "srcs0")
     _check_reducible(what, srcs0 + srcs1)
     n = len(srcs0)
-    _check_memory(what, srcs0 + srcs1, dsts + dsts, sbuf_ok=False)
+    _check_memory(what, srcs0 + srcs1, dsts + dsts, sbuf_ok=True, channels=True)
     for a, d in zip(srcs0, dsts):
         _expect_shape(what, d, a.shape, "the src")
 
