@@ -396,3 +396,56 @@ def test_ring_permute_on_sbuf_with_two_channels():
     out = _launch(call, (ROWS, COLS), n, buffer=nl.sbuf)(x)
     for r in range(n):
         assert torch.equal(out[r], x[(r - 1) % n])
+
+
+# ------------------------------------------------------------------ one kernel call per rank
+def _aws_style(collective, out_shape):
+    """AWS's pattern: a collective cannot read the kernel's I/O tensors, so each rank copies its
+    input to a shared-HBM src, runs the collective into a shared-HBM dst and copies that out."""
+
+    @nki.jit
+    def kernel(inp, replica_group):
+        src = nl.ndarray(inp.shape, dtype=inp.dtype, buffer=nl.shared_hbm, name="src")
+        dst = nl.ndarray(out_shape, dtype=inp.dtype, buffer=nl.shared_hbm, name="dst")
+        out = nl.ndarray(out_shape, dtype=inp.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=src, src=inp)
+        collective(src, dst, replica_group)
+        nisa.dma_copy(dst=out, src=dst)
+        return out
+
+    return kernel
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_simulate_ranks_gives_each_rank_its_inputs_and_shared_hbm(n):
+    xs = [np.random.randn(ROWS, COLS).astype(np.float32) for _ in range(n)]
+    group = ncc.ReplicaGroup([list(range(n))])
+    gather = _aws_style(lambda s, d, rg: ncc.all_gather(srcs=[s], dsts=[d], replica_group=rg, collective_dim=0),
+                        (ROWS * n, COLS))
+    outs = nki.simulate_ranks(gather, [{"inp": x, "replica_group": group} for x in xs])
+    for out in outs:
+        assert np.array_equal(out, np.concatenate(xs))
+    scatter = _aws_style(lambda s, d, rg: ncc.reduce_scatter(srcs=[s], dsts=[d], replica_group=rg,
+                                                             collective_dim=0, op=nl.add), (ROWS // n, COLS))
+    outs = nki.simulate_ranks(scatter, [(x, group) for x in xs])
+    total = np.sum(xs, axis=0)
+    c = ROWS // n
+    for r, out in enumerate(outs):
+        np.testing.assert_allclose(out, total[r * c:(r + 1) * c], rtol=1e-6, atol=1e-6)
+    assert scatter.last_stats.latency_s > 0
+
+
+def test_simulate_ranks_rank_id_and_errors():
+    @nki.jit
+    def whoami(x):
+        out = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.shared_hbm)
+        reg = ncc.rank_id()
+        t = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=int(reg))
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    outs = nki.simulate_ranks(whoami, [(np.zeros(1, np.float32),)] * 3)
+    assert [int(o[0, 0]) for o in outs] == [0, 1, 2]
+    with pytest.raises(nki.NKIError, match="without a grid"):
+        whoami[2].run_ranks([((np.zeros(1, np.float32),), {})] * 2)

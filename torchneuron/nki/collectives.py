@@ -11,13 +11,14 @@ explicit permute HBM only; AWS's nki-library runs the implicit ring permute on S
 reductions `nl.add` / `nl.minimum` / `nl.maximum`, `collective_dim` 0 (and
 1 for a 2-D SBUF all-gather). Not provided: `all_to_all_v` (runtime-sized exchange).
 
-Ranks. On a Trainium a rank is a (logical) NeuronCore; here it is a program of the launch
-grid: `kernel[4](...)` runs ranks 0-3, `kernel[2, 2](...)` ranks 0-3 row-major, and
-`nl.program_id` and `rank_id()` agree. A launch whose programs meet at collectives gives each
-program its own NeuronCore timeline (jit.py). How programs wait for each other is
-programs.py's. All ranks see the same kernel arguments (select a rank's slice with
-`program_id` / `rank_id`); AWS's multi-device launch, each rank with its own inputs and its
-own grid (LNC=2), is not modeled.
+Ranks. On a Trainium a rank is a (logical) NeuronCore running its own copy of the kernel
+with its own inputs. Here ranks are either the programs of a launch grid (`kernel[4](...)`:
+ranks 0-3, `kernel[2, 2]`: row-major; they share the arguments and `nl.shared_hbm`, select a
+rank's slice with `nl.program_id` / `rank_id()`), or, as on the device, one kernel call per
+rank with its own inputs and its own shared HBM: `nki.simulate_ranks(kernel, [inputs of rank
+0, ...])`. Each rank runs on its own NeuronCore timeline with its own SBUF and PSUM. Not
+modeled: a grid inside each rank (AWS's LNC=2 programs of one logical core). How ranks wait
+for each other is programs.py's.
 
 Numerics: a reduction runs in fp32 (int32 data in int64) over the ranks in rank-list order and
 rounds once to the destination dtype. Assumption: AWS does not document the collective

@@ -17,6 +17,7 @@ waits where; it never hangs.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -58,11 +59,16 @@ class Arrival:
 
 @dataclass
 class Program:
-    """One program (rank) of a launch."""
+    """One program (rank) of a launch: its kernel arguments, its NeuronCore's timeline and,
+    when ranks run side by side, its own SBUF/PSUM (and, one kernel per rank, its own shared
+    HBM)."""
 
     rank: int
     pid: tuple
     sched: Scheduler
+    call: tuple                     # (args, kwargs) of its kernel call
+    pools: tuple | None = None      # (sbuf, psum) Pools, None: the Run's
+    shared: dict | None = None      # nl.shared_hbm allocations, None: the Run's
     state: dict = field(default_factory=dict)
     calls: int = 0                  # collectives called so far (matches calls across ranks)
     waiting: Arrival | None = None  # parked at this collective
@@ -92,6 +98,10 @@ class _Programs:
     def _enter(self, p: Program) -> None:
         run = self.run
         run.program_id, run.rank, run.sched = p.pid, p.rank, p.sched
+        if p.pools is not None:
+            run.sbuf, run.psum = p.pools
+        if p.shared is not None:
+            run.shared = p.shared
         run.shared_count, run.seq_depth, run.offsets, run.pending_ranges = 0, 0, (), []
         for name, value in p.state.items():
             setattr(run, name, value)
@@ -123,15 +133,15 @@ class _Programs:
 class SequentialPrograms(_Programs):
     """Programs run to completion one after another; a collective must stay within one rank."""
 
-    def run_all(self, body: Callable[[], Any]) -> Any:
-        result = None
+    def run_all(self, body: Callable[[Program], Any]) -> list:
+        """Run every program; their results in rank order."""
         for p in self.programs:
             self.run.flush()
             self._enter(p)
             self.current = p
-            result = body()
+            p.result = body(p)
         self.run.flush()
-        return result
+        return [p.result for p in self.programs]
 
     def exchange(self, arrival: Arrival, perform: Callable[[list[Arrival]], None]) -> None:
         if len(arrival.members) > 1:
@@ -151,7 +161,8 @@ class CooperativePrograms(_Programs):
         self.finished = False
         self._local = threading.local()
 
-    def run_all(self, body: Callable[[], Any]) -> Any:
+    def run_all(self, body: Callable[[Program], Any]) -> list:
+        """Run every program; their results in rank order."""
         threads = [threading.Thread(target=self._program_main, args=(p, body), daemon=True,
                                     name=f"nki-program-{p.rank}") for p in self.programs]
         for t in threads:
@@ -163,17 +174,17 @@ class CooperativePrograms(_Programs):
             t.join()
         if self.error is not None:
             raise self.error
-        return self.programs[-1].result
+        return [p.result for p in self.programs]
 
     # -- one program's thread ------------------------------------------------------------
-    def _program_main(self, p: Program, body: Callable[[], Any]) -> None:
+    def _program_main(self, p: Program, body: Callable[[Program], Any]) -> None:
         set_current(self.run)
         self._local.program = p
         try:
             with self.cond:
                 self._wait_for_baton(p)
             self._enter(p)
-            p.result = body()
+            p.result = body(p)
             with self.cond:
                 self.run.flush()
                 p.done = True
@@ -243,11 +254,19 @@ class CooperativePrograms(_Programs):
         self._enter(p)
 
 
-def make_programs(run: Run, grid: tuple, scheds: list[Scheduler], cooperative: bool) -> _Programs:
-    """The programs of a launch over `grid` (row-major ranks), spread over `scheds` (one per
-    NeuronCore of the grid)."""
-    import itertools
-    pids = list(itertools.product(*[range(g) for g in grid])) if grid else [(0,)]
-    programs = [Program(i, pid, scheds[i % len(scheds)]) for i, pid in enumerate(pids)]
-    cls = CooperativePrograms if cooperative and len(programs) > 1 else SequentialPrograms
-    return cls(run, programs)
+def make_programs(run: Run, grid: tuple, scheds: list[Scheduler], cooperative: bool,
+                  calls: list[tuple]) -> _Programs:
+    """The programs of a launch. One call in `calls`: the programs of `grid` (row-major ranks)
+    share its arguments and the launch's shared HBM. Several calls: a multi-rank launch, one
+    single-program kernel per rank with its own arguments and shared HBM. Programs spread over
+    `scheds` (one per NeuronCore); when they run side by side each gets its own SBUF/PSUM."""
+    per_rank = len(calls) > 1
+    if per_rank:
+        pids = [(0,)] * len(calls)
+    else:
+        pids = list(itertools.product(*[range(g) for g in grid])) if grid else [(0,)]
+    side_by_side = cooperative and len(pids) > 1
+    programs = [Program(i, pid, scheds[i % len(scheds)], calls[i if per_rank else 0],
+                        run.new_pools() if side_by_side else None, {} if per_rank else None)
+                for i, pid in enumerate(pids)]
+    return (CooperativePrograms if side_by_side else SequentialPrograms)(run, programs)
