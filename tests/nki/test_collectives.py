@@ -449,3 +449,33 @@ def test_simulate_ranks_rank_id_and_errors():
     assert [int(o[0, 0]) for o in outs] == [0, 1, 2]
     with pytest.raises(nki.NKIError, match="without a grid"):
         whoami[2].run_ranks([((np.zeros(1, np.float32),), {})] * 2)
+
+
+def test_collectives_of_a_subgroup_do_not_shift_the_others():
+    """Ranks 0-1 all-reduce among themselves first; then all four ranks all-reduce. Ranks 2-3
+    make one collective, ranks 0-1 two: calls match per rank-list, not per rank."""
+    n = 4
+    x = _inputs(n, torch.float32)
+
+    def call(s, d):
+        if nl.program_id(0) < 2:
+            ncc.all_reduce(srcs=[s], dsts=[d], replica_group=ncc.ReplicaGroup([[0, 1]]), op=nl.add)
+            nisa.dma_copy(dst=s, src=d)
+        ncc.all_reduce(srcs=[s], dsts=[d], replica_group=_everyone(n), op=nl.add)
+
+    out = _launch(call, (ROWS, COLS), n)(x)
+    xs = x.numpy()
+    want = 2 * (xs[0] + xs[1]) + xs[2] + xs[3]
+    for r in range(n):
+        _close(out[r], want, 1e-6)
+
+
+def test_timing_only_run_prices_the_collective():
+    """Typed placeholders (no data) give the modeled latency of the same kernel run with data."""
+    import torchneuron.nki.typing as nt
+    k = _launch(lambda s, d: ncc.all_reduce(srcs=[s], dsts=[d], replica_group=_everyone(4), op=nl.add),
+                (ROWS, COLS), 4)
+    k(_inputs(4, torch.float32))
+    with_data = k.last_stats.latency_s
+    out = k(nt.tensor[(4, ROWS, COLS), nl.float32])
+    assert isinstance(out, nt.TensorType) and k.last_stats.latency_s == pytest.approx(with_data)

@@ -55,6 +55,7 @@ class Arrival:
     payload: Any            # the collective's own data (tiles)
     location: str
     sched: Scheduler
+    seq: int = 0            # how many collectives over these members the rank made before
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Program:
     pools: tuple | None = None      # (sbuf, psum) Pools, None: the Run's
     shared: dict | None = None      # nl.shared_hbm allocations, None: the Run's
     state: dict = field(default_factory=dict)
-    calls: int = 0                  # collectives called so far (matches calls across ranks)
+    calls: dict = field(default_factory=dict)  # rank-list -> collectives called over it so far
     waiting: Arrival | None = None  # parked at this collective
     done: bool = False
     result: Any = None
@@ -112,13 +113,14 @@ class _Programs:
 
     def _arrive(self, p: Program, arrival: Arrival) -> list[Arrival] | None:
         """Record `arrival`; the group's arrivals in group order once all ranks are in."""
-        key = (arrival.members, p.calls)
-        p.calls += 1
+        arrival.seq = p.calls.get(arrival.members, 0)
+        p.calls[arrival.members] = arrival.seq + 1
+        key = (arrival.members, arrival.seq)
         got = self.pending.setdefault(key, [])
         if got and got[0].signature != arrival.signature:
             first = got[0]
             raise CollectiveError(
-                f"the {_ordinal(key[1] + 1)} collective of ranks {list(arrival.members)} differs: rank "
+                f"the {_ordinal(arrival.seq + 1)} collective of ranks {list(arrival.members)} differs: rank "
                 f"{first.rank} calls {first.kind} {first.signature[1:]} ({first.location}), rank "
                 f"{arrival.rank} calls {arrival.kind} {arrival.signature[1:]}; every rank of a replica "
                 "group must make the same collective calls, with the same arguments, in the same order")
@@ -227,8 +229,8 @@ class CooperativePrograms(_Programs):
     def _deadlock(self) -> CollectiveError:
         parked = [q for q in self.programs if q.waiting is not None]
         done = [q.rank for q in self.programs if q.done]
-        lines = [f"rank {q.rank} waits in its {_ordinal(q.calls)} collective, {_describe(q.waiting)}"
-                 for q in parked]
+        lines = [f"rank {q.rank} waits in its {_ordinal(q.waiting.seq + 1)} collective over these ranks, "
+                 f"{_describe(q.waiting)}" for q in parked]
         if done:
             lines.append(f"rank(s) {done} finished without joining")
         return CollectiveError(
