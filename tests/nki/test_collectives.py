@@ -479,3 +479,17 @@ def test_timing_only_run_prices_the_collective():
     with_data = k.last_stats.latency_s
     out = k(nt.tensor[(4, ROWS, COLS), nl.float32])
     assert isinstance(out, nt.TensorType) and k.last_stats.latency_s == pytest.approx(with_data)
+
+
+def test_sbuf_collective_skips_the_hbm_round_trip():
+    """The same all-reduce costs less SBUF-to-SBUF (DMA rate) than through HBM (half its
+    bandwidth, as the ring model charges), and each rank's instruction shows in the trace."""
+    def duration(buffer) -> float:
+        k = _launch(lambda s, d: ncc.all_reduce(srcs=[s], dsts=[d], replica_group=_everyone(2), op=nl.add),
+                    (128, 512), 2, buffer=buffer)
+        _, stats = k.run((_inputs(2, torch.float32, rows=128).repeat(1, 1, 32),), {}, trace=True)
+        records = [r for r in stats.trace if r.kind == "all_reduce"]
+        assert len(records) == 2 and {r.engine for r in records} == {"dma"}
+        return records[0].end - records[0].start
+
+    assert duration(nl.sbuf) < duration(nl.private_hbm)

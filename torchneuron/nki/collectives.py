@@ -28,12 +28,15 @@ Reductions take fp32, bf16, fp16 and int32 data (the types AWS's examples use); 
 collective moves bytes; it does not cast).
 
 Cost: each collective is one instruction per rank on the DMA resource, priced by the device
-model's ring collective (`hardware.model.collective_cost`: steps x `link_step_latency_s` plus
-the bytes each rank sends over the per-rank ring bandwidth: through HBM by DMA within a chip,
-NeuronLink across chips). It starts when the last rank of the group has its sources ready (a
-collective is a synchronisation point) and keeps the DMA queues busy for the transfer part;
-the reduction arithmetic rides on the transfer at line rate, as the model states. `priority`
-is checked (0-3) but the model has no DMA QoS arbitration, so it does not change timing.
+model's ring collective (`hardware.model.collective_cost`: steps x `link_step_latency_s`, 1.5
+us, plus the bytes each rank sends over the per-rank ring bandwidth: through HBM by DMA within
+a chip, min(16 DMA queues' rate, half the core's HBM bandwidth), NeuronLink across chips; the
+constants and their sources are in hardware/targets.py). SBUF-to-SBUF within a chip moves at
+the DMA queues' rate (no HBM round trip). The instruction starts when the last rank of the
+group has its sources ready (a collective is a synchronisation point) and keeps the DMA queues
+busy for the transfer part; the reduction arithmetic rides on the transfer at line rate, as the
+model states. `priority` is checked (0-3) but the model has no DMA QoS arbitration, so it does
+not change timing.
 """
 from __future__ import annotations
 
@@ -266,16 +269,25 @@ def _exchange(kind: str, members: tuple, signature: tuple, srcs: list[Tile], dst
 
 
 def _charge(run: Run, kind: str, group: list[Arrival], model_kind: str, nbytes: int) -> None:
+    """One instruction per rank on its DMA queues: the ring's cost, from when the slowest rank's
+    sources are ready."""
     ranks = len(group)
-    cost = collective_cost(model_kind, nbytes, ranks, run.target)
-    busy = cost.bytes / collective_link_bytes_per_s(run.target, ranks) if ranks > 1 else 0.0
+    target = run.target
+    cost = collective_cost(model_kind, nbytes, ranks, target)
+    link = collective_link_bytes_per_s(target, ranks)
+    on_sbuf = group[0].payload.srcs[0].buf.kind == "sbuf"
+    # SBUF to SBUF within a chip, the DMA engines move the bytes without the HBM round trip the
+    # ring model charges (read and write in HBM: half its bandwidth): the DMA rate bounds it.
+    rate = target.dma_bytes_per_s if on_sbuf and ranks <= target.cores_per_chip else link
+    busy = cost.bytes / rate if ranks > 1 else 0.0
+    latency = cost.duration_s - cost.bytes / link + busy  # the ring's step latencies + the transfer
     accesses = [([_region(t) for t in a.payload.srcs], [_region(t) for t in a.payload.dsts]) for a in group]
     start = max(a.sched.ready(r, w) for a, (r, w) in zip(group, accesses))
     for a, (r, w) in zip(group, accesses):
-        a.sched.issue(kind, "dma", busy, cost.duration_s, r, w, a.location if run.trace else "",
-                      not_before=start)
+        a.sched.issue(kind, "dma", busy, latency, r, w, a.location if run.trace else "", not_before=start)
     run.instructions += ranks
-    run.hbm_bytes += 2.0 * cost.bytes * ranks  # each byte sent is read and written in HBM
+    if not on_sbuf:
+        run.hbm_bytes += 2.0 * cost.bytes * ranks  # each byte sent is read and written in HBM
 
 
 def _values(t: Tile) -> torch.Tensor:
