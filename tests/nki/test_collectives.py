@@ -16,8 +16,7 @@ import torchneuron.nki as nki
 import torchneuron.nki.collectives as ncc
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.nki.programs import CollectiveError
-from torchneuron.nki.errors import DTypeError, KernelError, ShapeError
+from torchneuron.nki.errors import CollectiveError, DTypeError, KernelError, ShapeError
 
 ROWS, COLS = 8, 16
 DTYPES = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 2.0 ** -7)}

@@ -11,7 +11,7 @@ import torchneuron.nki as nki
 import torchneuron.nki.collectives as ncc
 import torchneuron.nki.isa as nisa
 import torchneuron.nki.language as nl
-from torchneuron.nki.programs import CollectiveError
+from torchneuron.nki.errors import CollectiveError
 
 
 def test_restart_applies_in_place_writes_once():

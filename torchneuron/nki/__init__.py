@@ -16,8 +16,8 @@ from torchneuron import settings as _settings
 
 from . import collectives, compiler, isa, language, typing  # noqa: F401
 from .alias import install_import_alias, uninstall_import_alias  # noqa: F401
-from .errors import (CapacityError, DTypeError, EngineRuleError, KernelError, NKIError,  # noqa: F401
-                     OutOfBoundsError, PartitionDimError, ShapeError)
+from .errors import (CapacityError, CollectiveError, DTypeError, EngineRuleError, KernelError,  # noqa: F401
+                     NKIError, OutOfBoundsError, PartitionDimError, ShapeError)
 from .jit import (Kernel, KernelStats, baremetal, benchmark, jit, profile, simulate,  # noqa: F401
                   simulate_kernel, simulate_ranks)
 from .tile import Tile  # noqa: F401

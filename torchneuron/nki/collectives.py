@@ -50,8 +50,8 @@ import torch
 from ..hardware.model import collective_cost, collective_link_bytes_per_s
 from . import language as _nl
 from .engines import write
-from .errors import DTypeError, ShapeError, user_location
-from .programs import Arrival, CollectiveError
+from .errors import CollectiveError, DTypeError, ShapeError, user_location
+from .programs import Arrival
 from .registers import VirtualRegister
 from .simulator import Run, _region, current
 from .tile import HBM_KINDS, Tile

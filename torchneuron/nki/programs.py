@@ -22,17 +22,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import NKIError
+import torch
+
+from .errors import CollectiveError
 from .scheduler import Scheduler
 from .simulator import Run, set_current
 
 # Per-program fields of `Run`, saved when a program parks and restored when it resumes.
 _PROGRAM_STATE = ("program_id", "rank", "sched", "shared_count", "seq_depth", "offsets",
                   "pending_ranges")
-
-
-class CollectiveError(NKIError):
-    rule = "collective"
 
 
 class NeedsCooperative(BaseException):
@@ -162,6 +160,7 @@ class CooperativePrograms(_Programs):
         self.error: BaseException | None = None
         self.finished = False
         self._local = threading.local()
+        self.torch_threads = torch.get_num_threads()  # the launch's setting, for the workers too
 
     def run_all(self, body: Callable[[Program], Any]) -> list:
         """Run every program; their results in rank order."""
@@ -181,6 +180,7 @@ class CooperativePrograms(_Programs):
     # -- one program's thread ------------------------------------------------------------
     def _program_main(self, p: Program, body: Callable[[Program], Any]) -> None:
         set_current(self.run)
+        torch.set_num_threads(self.torch_threads)  # (OpenMP's thread count is per thread)
         self._local.program = p
         try:
             with self.cond:
