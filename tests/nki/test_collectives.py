@@ -492,3 +492,18 @@ def test_sbuf_collective_skips_the_hbm_round_trip():
         return records[0].end - records[0].start
 
     assert duration(nl.sbuf) < duration(nl.private_hbm)
+
+
+def test_in_place_ring_permute():
+    """src and dst the same buffer on every rank: each rank still receives its predecessor's
+    original data (all reads happen before any write)."""
+    n = 4
+    x = _inputs(n, torch.float32)
+
+    def call(s, d):
+        ncc.collective_permute_implicit(srcs_by_channel=[[s]], dsts_by_channel=[[s]], replica_group=_everyone(n))
+        nisa.dma_copy(dst=d, src=s)
+
+    out = _launch(call, (ROWS, COLS), n)(x)
+    for r in range(n):
+        assert torch.equal(out[r], x[(r - 1) % n])

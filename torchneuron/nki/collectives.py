@@ -252,7 +252,8 @@ def _signature(kind: str, srcs: list[Tile], dsts: list[Tile], *extra: Any) -> tu
 def _exchange(kind: str, members: tuple, signature: tuple, srcs: list[Tile], dsts: list[Tile],
               compute: Callable[[list[Arrival]], dict], model_kind: str, nbytes: int) -> None:
     """Meet the other ranks of `members`; the last to arrive computes every rank's results
-    (`compute` returns {(rank, dst index): values}) and charges the instruction on each."""
+    (`compute` returns {(rank, dst index): values}, none a view of a src: every result is read
+    before any dst is written, so in-place collectives work) and charges the instruction on each."""
     run = current()
     run.flush()
     arrival = Arrival(run.rank, kind, members, signature, _Payload(srcs, dsts), user_location(), run.sched)
@@ -446,7 +447,7 @@ def collective_permute(srcs: list, dsts: list, source_target_pairs: list,
         raise CollectiveError(f"{what}: pair rank {bad[0]} is outside the launch's ranks "
                               f"0-{world - 1}; launch one program per rank")
     members = tuple(sorted({r for p in pairs for r in p}))
-    _permute(what, srcs, dsts, pairs, members, lambda a: a.payload.srcs[0].torch(), (tuple(pairs),))
+    _permute(what, srcs, dsts, pairs, members, lambda a: a.payload.srcs[0].torch().clone(), (tuple(pairs),))
 
 
 def _channels(what: str, channel_ids: Sequence[int], *lists: Any) -> list[list[Tile]]:
@@ -491,7 +492,7 @@ def collective_permute_implicit(srcs_by_channel: list, dsts_by_channel: list, re
     _check_priority(what, priority)
     for s, d in zip(srcs, dsts):
         _expect_shape(what, d, s.shape, "the src")
-    _ring(what, replica_group, srcs, dsts, len(srcs), lambda a, c: a.payload.srcs[c].torch(), (),
+    _ring(what, replica_group, srcs, dsts, len(srcs), lambda a, c: a.payload.srcs[c].torch().clone(), (),
           _nbytes(srcs))
 
 
