@@ -507,3 +507,17 @@ def test_in_place_ring_permute():
     out = _launch(call, (ROWS, COLS), n)(x)
     for r in range(n):
         assert torch.equal(out[r], x[(r - 1) % n])
+
+
+def test_grid_ranks_sharing_a_dst_that_must_differ():
+    """AWS's kernels keep dst in nl.shared_hbm: per rank on the device, shared by a grid's
+    programs here. An all-gather tolerates that (every rank gets the same), a reduce-scatter
+    cannot and says how to fix it."""
+    gather = _aws_style(lambda s, d, rg: ncc.all_gather(srcs=[s], dsts=[d], replica_group=rg, collective_dim=0),
+                        (2 * ROWS, COLS))
+    x = np.random.randn(ROWS, COLS).astype(np.float32)
+    assert np.array_equal(gather[2](x, _everyone(2)), np.concatenate([x, x]))
+    scatter = _aws_style(lambda s, d, rg: ncc.reduce_scatter(srcs=[s], dsts=[d], replica_group=rg,
+                                                             collective_dim=0, op=nl.add), (ROWS // 2, COLS))
+    with pytest.raises(CollectiveError, match="same shared_hbm tensor.*simulate_ranks"):
+        scatter[2](x, _everyone(2))

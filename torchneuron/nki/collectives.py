@@ -249,16 +249,37 @@ def _signature(kind: str, srcs: list[Tile], dsts: list[Tile], *extra: Any) -> tu
     return (kind, *extra, ("srcs", tensors), ("dsts", tuple(tuple(d.shape) for d in dsts)))
 
 
+def _check_distinct_dsts(kind: str, group: list[Arrival]) -> None:
+    """Ranks receiving different data must not write the same memory (in a grid launch the
+    programs share their nl.shared_hbm tensors)."""
+    seen: dict = {}
+    for a in group:
+        for d in a.payload.dsts:
+            for rank, other in seen.get(id(d.buf), []):
+                if all(lo <= ohi and olo <= hi for (lo, hi), (olo, ohi) in zip(d.region(), other.region())):
+                    raise CollectiveError(
+                        f"{kind}: ranks {rank} and {a.rank} receive different data into the same "
+                        f"{d.buf.kind} tensor; the programs of a grid share nl.shared_hbm: give each "
+                        "rank its own dst (nl.private_hbm, SBUF, or a slice per rank), or launch one "
+                        "kernel per rank with nki.simulate_ranks")
+            seen.setdefault(id(d.buf), []).append((a.rank, d))
+
+
 def _exchange(kind: str, members: tuple, signature: tuple, srcs: list[Tile], dsts: list[Tile],
-              compute: Callable[[list[Arrival]], dict], model_kind: str, nbytes: int) -> None:
+              compute: Callable[[list[Arrival]], dict], model_kind: str, nbytes: int,
+              same_result: bool = False) -> None:
     """Meet the other ranks of `members`; the last to arrive computes every rank's results
     (`compute` returns {(rank, dst index): values}, none a view of a src: every result is read
-    before any dst is written, so in-place collectives work) and charges the instruction on each."""
+    before any dst is written, so in-place collectives work) and charges the instruction on each.
+    `same_result`: every rank receives the same data (all-reduce, all-gather), so ranks may
+    share a dst."""
     run = current()
     run.flush()
     arrival = Arrival(run.rank, kind, members, signature, _Payload(srcs, dsts), user_location(), run.sched)
 
     def perform(group: list[Arrival]) -> None:
+        if not same_result:
+            _check_distinct_dsts(kind, group)
         if run.compute:
             results = compute(group)
             for (rank, i), values in results.items():
@@ -339,7 +360,7 @@ def all_reduce(srcs: list, dsts: list, replica_group: ReplicaGroup, op: Any,
         return {(a.rank, i): _reduced(group, i, op_name) for i in range(len(srcs)) for a in group}
 
     _exchange(what, members, _signature(what, srcs, dsts, op_name), srcs, dsts, compute,
-              "all_reduce", _nbytes(srcs))
+              "all_reduce", _nbytes(srcs), same_result=True)
 
 
 def all_gather(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_dim: int,
@@ -360,7 +381,7 @@ def all_gather(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_d
                 for i in range(len(srcs)) for a in group}
 
     _exchange(what, members, _signature(what, srcs, dsts, dim), srcs, dsts, compute,
-              "all_gather", _nbytes(dsts))
+              "all_gather", _nbytes(dsts), same_result=True)
 
 
 def reduce_scatter(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_dim: int, op: Any,
