@@ -9,7 +9,9 @@ Trn3"; docs page nki/api/nki.collectives.rst and its generated pages): `ReplicaG
 `dsts` are lists (coalesced only on HBM), tensors all on HBM or all on SBUF (all-to-all and the
 explicit permute HBM only; AWS's nki-library runs the implicit ring permute on SBUF too),
 reductions `nl.add` / `nl.minimum` / `nl.maximum`, `collective_dim` 0 (and
-1 for a 2-D SBUF all-gather). Not provided: `all_to_all_v` (runtime-sized exchange).
+1 for a 2-D SBUF all-gather). Not provided: `all_to_all_v` (runtime-sized exchange). The same
+rendezvous serves `nisa.core_barrier` across the cores of an `nl.nc(n)` grid
+(`barrier_across_cores`).
 
 Ranks. On a Trainium a rank is a (logical) NeuronCore running its own copy of the kernel
 with its own inputs. Here ranks are either the programs of a launch grid (`kernel[4](...)`:
@@ -540,3 +542,29 @@ def collective_permute_implicit_reduce(srcs0_by_channel: list, srcs1_by_channel:
         return _OPS[op_name](torch.stack([_values(pair[c]), _values(pair[n + c])]))
 
     _ring(what, replica_group, srcs0 + srcs1, dsts, n, values, (op_name,), _nbytes(srcs0))
+
+
+def barrier_across_cores(data: Tile, cores: Sequence[int]) -> None:
+    """`nisa.core_barrier` across the NeuronCores of an `nl.nc(n)` grid: the k-th program on each
+    core in `cores` waits for the others; `data` is what they must have written. One sync
+    instruction per core, starting when the last of them is ready."""
+    run = current()
+    n = run.ncores
+    cores = tuple(sorted({int(c) for c in cores}))
+    core, slot = run.rank % n, run.rank // n
+    if not cores or cores[0] < 0 or cores[-1] >= n or core not in cores:
+        raise CollectiveError(f"core_barrier: cores {list(cores)} on core {core} of an nl.nc({n}) grid; "
+                              f"name cores 0-{n - 1}, including the calling one")
+    members = tuple(slot * n + c for c in cores)
+    eng, busy, lat = run.timing("sync", "", partitions=1, free_elems=1, dtype=data.buf.tdtype)
+    run.flush()
+    box = [_region(data)]
+
+    def perform(group: list[Arrival]) -> None:
+        start = max(a.sched.ready(box, box) for a in group)
+        for a in group:
+            a.sched.issue("sync", eng, busy, lat, box, box, a.location if run.trace else "", not_before=start)
+        run.instructions += len(group)
+
+    run.programs.exchange(Arrival(run.rank, "core_barrier", members, ("core_barrier", cores), None,
+                                  user_location(), run.sched), perform)
