@@ -6,6 +6,7 @@ Point it at a checkout of aws-neuron/nki-library kept OUTSIDE this repository (n
 is committed here). Each case imports one kernel and its PyTorch reference from the checkout
 as they are, builds small inputs, runs the kernel through `nki.simulate_kernel` with numpy
 arrays (the numpy-in / numpy-out contract) and compares every output with the reference.
+Collective kernels run as several ranks (`nki.simulate_ranks`), each with its own inputs.
 Prints one line per kernel (ran + matched / mismatch / the first error) and the counts.
 """
 from __future__ import annotations
@@ -26,13 +27,18 @@ import torch
 class Case:
     name: str
     kernel: str              # "module:function" inside nkilib
-    reference: str           # "module:function" (returns a tensor, a tuple or {"output_0": ...})
+    reference: str | Callable  # "module:function" (returns a tensor, a tuple or {"output_0": ...})
     inputs: Callable[[np.random.Generator], dict]   # kernel keyword arguments (numpy arrays)
     ref_inputs: Callable[[dict], dict] | None = None  # reference kwargs from the kernel's
     atol: float = 2e-2
     rtol: float = 2e-2
     grid: tuple = ()
     kernel_kwargs: dict = field(default_factory=dict)
+    # ranks > 0: a collective kernel, run as that many ranks (`nki.simulate_ranks`); `inputs`
+    # returns one kwargs dict per rank, `reference` takes that list and gives every rank's
+    # expected outputs (nki-library has no torch reference for them: AWS's tests build the
+    # golden from the ranks' inputs, as this does)
+    ranks: int = 0
     check: Callable[[list, list], None] | None = None  # replaces the element-wise comparison
 
 
@@ -73,13 +79,31 @@ def _topk_check(got: list, want: list) -> None:
     np.testing.assert_array_equal(np.take_along_axis(logits, gi, 1), np.take_along_axis(logits, wi, 1))
 
 
-def _load(spec: str):
+def _load(spec: str | Callable):
+    if callable(spec):
+        return spec
     mod, fn = spec.split(":")
     return getattr(importlib.import_module("nkilib." + mod), fn)
 
 
+def _everyone(n: int) -> Any:
+    from nki.collectives import ReplicaGroup  # the import alias serves it from torchneuron.nki
+    return ReplicaGroup([list(range(n))])
+
+
+def _same_elements_in_order(got: list, want: list) -> None:
+    """The fine-grained all-gather returns the gathered rows in a [ranks, ...] layout of its
+    own: compare in memory order."""
+    np.testing.assert_array_equal(np.asarray(got[0]).reshape(-1), np.asarray(want[0]).reshape(-1))
+
+
 def _cases() -> list[Case]:
     r = np.float32
+
+    def fg_inputs(force_hbm: bool) -> Callable:
+        return lambda g: [{"lhs": g.standard_normal((128, 256)).astype(r), "tp_degree": 4, "num_groups": 1,
+                           "force_hbm_cc": force_hbm} for _ in range(4)]
+
     def attn_bwd_inputs(g, causal):
         from nkilib.core.attention.attention_bwd_torch import compute_o_lse
         b, h, d, s = 1, 2, 64, 256
@@ -170,7 +194,28 @@ def _cases() -> list[Case]:
              "experimental.loss.cross_entropy_torch:cross_entropy_backward_torch_ref", ce_bwd_inputs, ce_bwd_ref),
         Case("cumsum", "core.cumsum.cumsum:cumsum", "core.cumsum.cumsum_torch:cumsum_torch_ref",
              lambda g: {"x": g.standard_normal((130, 300)).astype(r)}, atol=1e-3, rtol=1e-3),
+        Case("allgather_sb2sb 4 ranks", "experimental.collectives.sb2sb_allgather:allgather_sb2sb",
+             lambda per_rank: np.concatenate([p["inp"] for p in per_rank], 1),
+             lambda g: [{"inp": g.standard_normal((128, 64)).astype(r), "replica_groups": _everyone(4),
+                         "tp_degree": 4} for _ in range(4)], ranks=4, atol=0, rtol=0),
+        Case("fine_grained_allgather sbuf", "experimental.collectives.fg_allgather:fine_grained_allgather",
+             lambda per_rank: np.concatenate([p["lhs"] for p in per_rank]), fg_inputs(False), ranks=4,
+             check=_same_elements_in_order, atol=0, rtol=0),
+        Case("fine_grained_allgather hbm", "experimental.collectives.fg_allgather:fine_grained_allgather",
+             lambda per_rank: np.concatenate([p["lhs"] for p in per_rank]), fg_inputs(True), ranks=4,
+             check=_same_elements_in_order, atol=0, rtol=0),
     ]
+
+
+def _check_ranks(case: Case, outs: list, want: list) -> None:
+    for rank, out in enumerate(outs):
+        got = _as_list(out)
+        if case.check:
+            case.check(got, want)
+            continue
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(_f32(a), _f32(b), atol=case.atol, rtol=case.rtol,
+                                       err_msg=f"rank {rank}")
 
 
 def run(root: str, only: str | None = None) -> tuple[int, int]:
@@ -189,6 +234,11 @@ def run(root: str, only: str | None = None) -> tuple[int, int]:
             ref = _load(case.reference)
             g = np.random.default_rng(0)
             kw = case.inputs(g)
+            if case.ranks:
+                _check_ranks(case, nki.simulate_ranks(kernel, kw), _as_list(ref(kw)))
+                passed += 1
+                print(f"{case.name:28s} {time.perf_counter() - t0:6.1f}s  matched on every rank", flush=True)
+                continue
             k = kernel[case.grid] if case.grid else kernel
             out = nki.simulate_kernel(k, **kw, **case.kernel_kwargs)
             rkw = case.ref_inputs(kw) if case.ref_inputs else {k: _to_torch(v) for k, v in kw.items()}

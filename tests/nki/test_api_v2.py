@@ -283,7 +283,7 @@ def test_partition_scalar_broadcasts_over_every_free_dim():
     np.testing.assert_allclose(nki.simulate_kernel(k, x, b), (x + b[:, :, None]) ** 2, rtol=1e-6)
 
 
-def test_core_barrier_orders_one_core_and_refuses_a_multi_core_grid():
+def test_core_barrier_orders_one_core_and_syncs_a_multi_core_grid():
     @nki.jit
     def k(x):
         out = nl.ndarray((4, 8), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -294,5 +294,30 @@ def test_core_barrier_orders_one_core_and_refuses_a_multi_core_grid():
         return out
     x = _rand(4, 8)
     np.testing.assert_array_equal(nki.simulate_kernel(k, x), x)
-    with pytest.raises(nki.NKIError, match="one after another"):
-        nki.simulate_kernel(k[nl.nc(2)], x)
+    np.testing.assert_array_equal(nki.simulate_kernel(k[nl.nc(2)], x), x)
+
+
+def test_core_barrier_makes_each_cores_writes_visible_to_the_other():
+    """Each core writes its half of a shared tensor, meets the other at the barrier, then reads
+    the other core's half: only right if core 0 waits for core 1's write."""
+    @nki.jit
+    def k(x):
+        c = nl.program_id(0)
+        shared = nl.ndarray((2, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        mine = nl.ndarray((1, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=mine, src=x[c:c + 1, :])
+        nisa.dma_copy(dst=shared[c:c + 1, :], src=mine)
+        nisa.core_barrier(data=shared, cores=(0, 1))
+        theirs = nl.ndarray((1, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=theirs, src=shared[1 - c:2 - c, :])
+        out = nl.ndarray((2, 8), dtype=nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[c:c + 1, :], src=theirs)
+        return out
+    x = _rand(2, 8)
+    np.testing.assert_array_equal(nki.simulate_kernel(k[nl.nc(2)], x), x[::-1])
+
+    @nki.jit
+    def to_a_missing_core(x):
+        nisa.core_barrier(data=nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf), cores=(0, 3))
+    with pytest.raises(nki.CollectiveError, match="name cores 0-1"):
+        nki.simulate_kernel(to_a_missing_core[nl.nc(2)], x)

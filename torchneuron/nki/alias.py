@@ -3,7 +3,7 @@
 Nothing named `neuronxcc` or `nki` is shipped as a top-level package. Instead
 `install_import_alias()` (or TORCHNEURON_NKI_ALIAS=1 before importing torchneuron.nki)
 inserts a meta-path finder that serves these names, and their submodules `language`,
-`isa`, `typing`, from this package, so existing kernels run unmodified:
+`isa`, `typing`, `collectives`, from this package, so existing kernels run unmodified:
 
     import torchneuron.nki
     torchneuron.nki.install_import_alias()
@@ -18,7 +18,7 @@ import sys
 import types
 
 _ROOTS = ("neuronxcc.nki", "nki")
-_SUBMODULES = {"language", "isa", "typing", "compiler", "isa.constants"}
+_SUBMODULES = {"language", "isa", "typing", "compiler", "collectives", "isa.constants"}
 
 
 class _AliasLoader(importlib.abc.Loader):

@@ -52,6 +52,12 @@ class DTypeError(NKIError):
     rule = "dtype"
 
 
+class CollectiveError(NKIError):
+    """Ranks disagree on a collective (deadlock, different calls) or its arguments are wrong."""
+
+    rule = "collective"
+
+
 class KernelError(NKIError):
     """The kernel's own Python code raised; the original exception is the __cause__."""
 

@@ -53,14 +53,13 @@ def get_nc_version() -> nc_version:
 
 def core_barrier(data: Tile, cores: Any = (0, 1), **kwargs: Any) -> None:
     """Wait until every core in `cores` has reached this point with `data` written. On one
-    core it orders nothing beyond program order and costs one sync instruction; the simulator
-    runs a multi-core grid's instances one after another, so it cannot honour a barrier across
-    them and says so."""
+    core it orders nothing beyond program order and costs one sync instruction; across the
+    cores of an `nl.nc(n)` grid the programs meet as at a collective (collectives.py)."""
     run = current()
     if run.ncores > 1:
-        raise NKIError("core_barrier across NeuronCores: this simulator runs the instances of an "
-                       f"nl.nc({run.ncores}) grid one after another, so a cross-core barrier cannot be "
-                       "honoured; run the kernel on one core (no nl.nc grid)", rule="core-barrier")
+        from .collectives import barrier_across_cores
+        barrier_across_cores(data, cores)
+        return
     run.issue("sync", [data], [data], partitions=1, free_elems=1, dtype=data.buf.tdtype)
 
 

@@ -3,7 +3,8 @@
 
 Owns the life of one kernel call: wrap the caller's arrays as HBM tensors (zero-copy for
 reads, staged on first write), run the kernel body once per SPMD instance inside a `Run`,
-turn failures into errors that carry the kernel's file and line, commit staged outputs
+turn failures into errors that carry the kernel's file and line (how the programs run and
+meet at collectives is programs.py's), commit staged outputs
 only on success, and return results in the caller's array type. Modeled latency and
 per-engine utilisation of the last call are kept on the kernel (`kernel.last_stats`).
 """
@@ -26,6 +27,7 @@ from ..hardware.targets import TARGETS, Target, get_target
 from . import dtypes as _dt
 from .errors import DTypeError, KernelError, NKIError, traceback_location
 from .on_device import call_on_device, has_neuron_tensors
+from .programs import NeedsCooperative, make_programs
 from .scheduler import Scheduler
 from .simulator import Run, set_current, active
 from .tile import Buffer, Tile
@@ -103,33 +105,60 @@ class Kernel:
     def run(self, args: tuple, kwargs: dict, *, trace: bool = False,
             target: Target | None = None) -> tuple[Any, KernelStats]:
         """Simulate one call; returns (outputs in the caller's array type, KernelStats)."""
-        timing_only = any(isinstance(a, TensorType) for a in itertools.chain(args, kwargs.values()))
+        results, stats = self._run_calls([(tuple(args), dict(kwargs))], trace, target)
+        return results[-1], stats
+
+    def run_ranks(self, calls: list[tuple[tuple, dict]], *, trace: bool = False,
+                  target: Target | None = None) -> tuple[list, KernelStats]:
+        """Simulate a multi-rank launch: rank r calls the kernel with `calls[r]` (args, kwargs),
+        its own inputs and its own shared HBM, on its own NeuronCore; the ranks meet at
+        `nki.collectives`. Returns (each rank's outputs, KernelStats of the whole launch)."""
+        if self.grid:
+            raise NKIError(f"a multi-rank launch runs one program per rank; launch the kernel "
+                           f"without a grid (got grid {self.grid})", rule="spmd")
+        return self._run_calls([(tuple(a), dict(k)) for a, k in calls], trace, target)
+
+    def _run_calls(self, calls: list, trace: bool, target: Target | None) -> tuple[list, KernelStats]:
+        """Programs run one after another until a collective spans several of them; then the
+        launch restarts with the programs as cooperating threads (programs.py), and this
+        kernel keeps launching that way."""
+        root = getattr(self, "_parent", self)
+        if not getattr(root, "_cooperative", False):
+            try:
+                return self._launch(calls, trace, target, cooperative=False)
+            except NeedsCooperative:
+                root._cooperative = True  # nothing was committed: the caller's tensors are intact
+        return self._launch(calls, trace, target, cooperative=True)
+
+    def _launch(self, calls: list, trace: bool, target: Target | None,
+                cooperative: bool) -> tuple[list, KernelStats]:
+        values = [v for args, kwargs in calls for v in itertools.chain(args, kwargs.values())]
+        timing_only = any(isinstance(a, TensorType) for a in values)
         run = Run(target or _target(self.platform_target), compute=not timing_only, trace=trace)
-        want_numpy = any(isinstance(a, np.ndarray) for a in itertools.chain(args, kwargs.values()))
-        kargs = [self._wrap(run, a) for a in args]
-        kkw = {k: self._wrap(run, v) for k, v in kwargs.items()}
+        want_numpy = any(isinstance(a, np.ndarray) for a in values)
+        calls = [([self._wrap(run, a) for a in args], {k: self._wrap(run, v) for k, v in kwargs.items()})
+                 for args, kwargs in calls]
         grid = tuple(int(g) for g in self.grid) or (1,)
         ncores = 1
         for g in self.grid:
             if hasattr(g, "n") and not isinstance(g, int):
                 ncores = max(ncores, g.n)
-        scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(ncores - 1)]
+        # A launch whose programs meet at collectives runs one rank per NeuronCore (AWS's ranks
+        # are NeuronCores): each program gets its own engines' timeline.
+        programs = len(calls) if len(calls) > 1 else int(np.prod(grid))
+        timelines = max(ncores, programs) if cooperative or len(calls) > 1 else ncores
+        scheds = [run.sched] + [Scheduler(keep_trace=trace) for _ in range(timelines - 1)]
         run.ncores = ncores
         set_current(run)
-        result = None
+        results: list = []
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # whole-tile ops are small: thread wake-ups would dominate
         gc_was_on = gc.isenabled()
         gc.disable()  # tiles and access records form no cycles; collections only cost time here
         try:
             run.grid = grid if self.grid else ()
-            for idx, pid in enumerate(itertools.product(*[range(g) for g in grid])):
-                run.flush()
-                run.sched = scheds[idx % ncores] if ncores > 1 else scheds[0]
-                run.program_id = pid if self.grid else (0,)
-                run.shared_count = 0
-                result = self.fn(*kargs, **kkw)
-            run.flush()
+            run.programs = make_programs(run, run.grid, scheds, cooperative, calls)
+            results = run.programs.run_all(lambda p: self.fn(*p.call[0], **p.call[1]))
         except NKIError:
             raise
         except Exception as e:  # the kernel's own code failed: name its line
@@ -148,10 +177,11 @@ class Kernel:
                 busy[k] = busy.get(k, 0.0) + v / len(scheds)
             for k, v in s.counts.items():
                 counts[k] = counts.get(k, 0) + v
+        pools = [p.pools for p in run.programs.programs if p.pools] or [(run.sbuf, run.psum)]
         stats = KernelStats(run.target.name, latency, run.instructions, busy, counts,
-                            run.sbuf.peak, run.psum.peak,
+                            max(sb.peak for sb, _ in pools), max(ps.peak for _, ps in pools),
                             [r for s in scheds for r in s.trace], run.flops, run.hbm_bytes,
-                            run.psum.spill_total)
+                            sum(ps.spill_total for _, ps in pools))
         self.last_stats = stats
         parent = getattr(self, "_parent", None)
         if parent is not None:
@@ -162,7 +192,8 @@ class Kernel:
                 if buf.staged:
                     buf.orig.copy_(buf.data.view(buf.orig.shape) if buf.orig.is_contiguous()
                                    else buf.data)
-        return self._unwrap(result, want_numpy, run), stats
+        returned = results if len(calls) > 1 else results[-1:]  # a grid returns its last program's
+        return [self._unwrap(r, want_numpy, run) for r in returned], stats
 
     # ------------------------------------------------------------------------------------
     def _wrap(self, run: Run, a: Any) -> Any:
@@ -239,6 +270,21 @@ def simulate_kernel(kernel: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a kernel on host arrays and return its outputs (NKI's CPU simulation entry point)."""
     out, _ = _as_kernel(kernel).run(args, kwargs)
     return out
+
+
+def simulate_ranks(kernel: Any, inputs: list) -> list:
+    """Run `kernel` as the ranks of one collective launch (AWS: one process per NeuronCore, each
+    with its own inputs): rank r gets `inputs[r]`, a dict of keyword arguments or a tuple of
+    positional ones. Returns each rank's outputs; `kernel.last_stats` covers the launch."""
+    calls = [((), dict(x)) if isinstance(x, dict) else (tuple(x), {}) for x in inputs]
+    if not calls:
+        raise NKIError("simulate_ranks: give one input set per rank (a list of dicts or tuples)",
+                       rule="spmd")
+    k = _as_kernel(kernel)
+    outs, _ = k.run_ranks(calls)
+    if k is not kernel and isinstance(kernel, Kernel):
+        kernel.last_stats = k.last_stats
+    return outs
 
 
 def simulate(kernel: Any = None, **options: Any) -> Any:

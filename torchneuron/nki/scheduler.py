@@ -222,10 +222,8 @@ class Scheduler:
     _order: dict = field(default_factory=dict)  # engine -> earliest start (sequential order)
     _acc: dict = field(default_factory=dict)
 
-    def issue(self, kind: str, engine: str, busy: float, latency: float, reads, writes,
-              where: str = "") -> float:
-        """Place one instruction; `reads`/`writes` are lists of (buffer_id, box or None).
-        Returns its completion time."""
+    def ready(self, reads, writes) -> float:
+        """Earliest start the dependencies of an instruction with these accesses allow."""
         acc = self._acc
         ready = self.floor
         for key, box in reads:
@@ -236,6 +234,15 @@ class Scheduler:
             a = acc.get(key)
             if a is not None:
                 ready = a.reads.latest(box, a.writes.latest(box, ready))
+        return ready
+
+    def issue(self, kind: str, engine: str, busy: float, latency: float, reads, writes,
+              where: str = "", not_before: float = 0.0) -> float:
+        """Place one instruction; `reads`/`writes` are lists of (buffer_id, box or None).
+        `not_before`: an outside constraint on its start (a collective waits for the other
+        ranks). Returns its completion time."""
+        acc = self._acc
+        ready = max(self.ready(reads, writes), not_before)
         tl = self._timelines.get(engine)
         if tl is None:
             tl = self._timelines[engine] = Timeline()

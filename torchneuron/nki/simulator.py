@@ -98,18 +98,14 @@ class Run:
 
     def __init__(self, target: Target | None = None, *, compute: bool = True, trace: bool = False):
         self.target = target or get_target()
-        t = self.target
         self.compute = compute
         self.sched = Scheduler(keep_trace=trace)
         self.trace = trace
-        self.sbuf = Pool("SBUF", t.sbuf_usable_bytes_per_partition, "sbuf-capacity",
-                         "free tiles (let them go out of scope) or use smaller tiles")
-        self.psum = Pool("PSUM", t.psum_banks * t.psum_bank_bytes, "psum-capacity",
-                         f"PSUM has {t.psum_banks} banks of {t.psum_bank_bytes} B a partition; "
-                         "copy results to SBUF and reuse PSUM tiles", spill_to=self.sbuf,
-                         on_spill=self._charge_spill)
+        self.sbuf, self.psum = self.new_pools()
         self.ncores = 1             # NeuronCores of the launch grid (nl.nc(n))
         self.program_id: tuple = ()
+        self.rank = 0               # flat index of the running program (its collective rank)
+        self.programs = None        # the launch's programs (programs.py): collectives meet there
         self.grid: tuple = ()
         self.shared: dict = {}      # n-th shared_hbm allocation -> Buffer (shared by SPMD instances)
         self.shared_count = 0
@@ -123,6 +119,17 @@ class Run:
         self.threads = _matmul_threads()
         self.flops = 0.0       # Tensor-engine work (2*K*M*N per matmul)
         self.hbm_bytes = 0.0   # bytes DMA moved to or from HBM
+
+    def new_pools(self) -> tuple[Pool, Pool]:
+        """Empty SBUF and PSUM of one NeuronCore of the target."""
+        t = self.target
+        sbuf = Pool("SBUF", t.sbuf_usable_bytes_per_partition, "sbuf-capacity",
+                    "free tiles (let them go out of scope) or use smaller tiles")
+        psum = Pool("PSUM", t.psum_banks * t.psum_bank_bytes, "psum-capacity",
+                    f"PSUM has {t.psum_banks} banks of {t.psum_bank_bytes} B a partition; "
+                    "copy results to SBUF and reuse PSUM tiles", spill_to=sbuf,
+                    on_spill=self._charge_spill)
+        return sbuf, psum
 
     def _charge_spill(self, nbytes: int) -> None:
         """PSUM tiles of `nbytes` a partition moved to SBUF and back: two Vector-engine copies
