@@ -8,12 +8,15 @@ Forward, per head: K^T [d, Sk] and V [Sk, d] are loaded once (DMA transposes K) 
 in SBUF (Sk <= 32K at d = 128); per 128-query tile and key block of up to 1024 keys:
 scores in two PSUM banks (Tensor engine), their row maxima (Vector engine, fused with the
 causal / sliding-window mask by `range_select` on diagonal blocks), exp(scale * (s - m))
-with its row sums (Scalar engine), P transposed 128 keys at a time on the Tensor engine,
-copied to SBUF a bank at a time by the Scalar engine; per-tile bookkeeping runs on the
+with its row sums in the Scalar engine's reduction registers, P transposed 128 keys at a
+time on the Tensor engine into one PSUM bank, copied to SBUF by the Scalar (3/4) and Vector
+(1/4) engines, multiplied with V into a PSUM accumulator, rescaled into the running output;
+the [128, 1] bookkeeping (running max, -scale * max, running sum) runs on the otherwise idle
 GpSimd engine. Phase A (scores, maxima) of the next step is issued before phase B of the
-current one, so two steps are in flight and multiplied with V into a
-PSUM accumulator, rescaled into the running output. Outputs: out [BHq, Sq, d] and the
-log-sum-exp lse [BHq, Sq, 1] (natural log of sum exp(scale * s)) that backward reuses.
+current one, so two steps are in flight. A step is bound by the Scalar and Vector engines
+(the maxima, exps and P^T copies each touch every score once), not by the Tensor engine.
+Outputs: out [BHq, Sq, d] and the log-sum-exp lse [BHq, Sq, 1] (natural log of sum
+exp(scale * s)) that backward reuses.
 
 Backward (FlashAttention-2 order), per query head: per 128-key tile, over the query tiles
 it sees: S and P = exp(scale * S - lse) are recomputed, dV += P^T dO, dP = dO V^T,
@@ -38,6 +41,14 @@ P = 128           # partitions: query tile, key chunk
 BANK = 512        # fp32 scores per PSUM bank
 KBLOCK = 1024     # keys per softmax step (two PSUM banks; two steps are in flight)
 NEG = -3.0e38     # masked score (rounds to -inf below fp32)
+LOOKAHEAD = 1         # phase A of this many later steps is issued before phase B of a step
+VECTOR_COPY_SHARE = 4  # the Vector engine copies 1/4 of P^T out of PSUM, the Scalar engine the rest
+
+
+def itemsize(dtype) -> int:
+    """Bytes of a kernel tile's dtype (an NKI dtype or a numpy one)."""
+    size = getattr(dtype, "itemsize", None)
+    return size if isinstance(size, int) else np.dtype(dtype).itemsize
 
 
 def check_shapes(q, k, v, what: str) -> tuple:
@@ -139,39 +150,63 @@ def _scores(t: _Tile, k_t, b0: int, b1: int, causal: bool, window: int):
     return banks, scores, part_max
 
 
+def _running_max(m_new, m_old, part_max) -> None:
+    """m_new = max(m_old, the block's per-bank maxima) in one or two GpSimd instructions (SBUF only)."""
+    cols = part_max.shape[1]
+    src = m_old
+    for c in range(0, cols, 2):
+        hi = min(c + 2, cols)
+        kw = dict(op1=nl.maximum, operand1=part_max[:, c + 1:c + 2]) if hi - c == 2 else {}
+        nisa.tensor_scalar(dst=m_new, data=src, op0=nl.maximum, operand0=part_max[:, c:c + 1],
+                           engine=nisa.gpsimd_engine, **kw)
+        src = m_new
+
+
+def _transpose_into_pv(pv, probs, banks, v_sb, dtype) -> None:
+    """pv += P V: P^T 128 keys at a time on the Tensor engine into PSUM tiles of up to a
+    bank, each copied to SBUF once, its last `1 / VECTOR_COPY_SHARE` chunks by the Vector
+    engine and the rest by the Scalar engine, then multiplied with V."""
+    chunks = [(j, c) for j, (s0, s1) in enumerate(banks) for c in range((s1 - s0) // P)]
+    per_tile = BANK * 4 // (P * itemsize(dtype))  # chunks of P^T in one PSUM bank
+    for g in range(0, len(chunks), per_tile):
+        group = chunks[g:g + per_tile]
+        pt_ps = nl.ndarray((P, len(group), P), dtype=dtype, buffer=nl.psum)
+        for i, (j, c) in enumerate(group):
+            nisa.nc_transpose(dst=pt_ps[:, i, :], data=probs[j][:, c * P:(c + 1) * P])
+        pt = nl.ndarray((P, len(group), P), dtype=dtype, buffer=nl.sbuf)
+        split = len(group) - len(group) // VECTOR_COPY_SHARE
+        nisa.tensor_copy(dst=pt[:, :split, :], src=pt_ps[:, :split, :], engine=nisa.scalar_engine)
+        if split < len(group):
+            nisa.tensor_copy(dst=pt[:, split:, :], src=pt_ps[:, split:, :], engine=nisa.vector_engine)
+        for i, (j, c) in enumerate(group):
+            nisa.nc_matmul(dst=pv, stationary=pt[:, i, :], moving=v_sb[:, (banks[j][0] + c * P) // P, :])
+
+
 def _accumulate(t: _Tile, v_sb, banks, scores, part_max, scale: float, dtype, d: int) -> None:
-    """Phase B: new running max, P = exp(scale * (s - m)), P^T V into the running output."""
+    """Phase B: new running max, P = exp(scale * (s - m)), P^T V into the running output.
+
+    The Scalar and Vector engines, not the Tensor engine, bound a step, so: the [P, 1]
+    bookkeeping runs on the GpSimd engine (SBUF operands only); the row sums stay in the
+    Scalar engine's reduction registers across the step's exps (one read-out); the P^T
+    copies are shared by the Scalar and Vector engines."""
     m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=m_new, op=nl.maximum, data=part_max, axis=1)
-    nisa.tensor_tensor(dst=m_new, data1=m_new, data2=t.m, op=nl.maximum)
+    _running_max(m_new, t.m, part_max)
     neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg, data=m_new, op0=nl.multiply, operand0=-scale, engine=nisa.gpsimd_engine)
     alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha, op=nl.exp, data=t.m, bias=neg, scale=scale)
-    sums = nl.ndarray((P, len(banks)), dtype=nl.float32, buffer=nl.sbuf)
+    blk_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     probs = []
-    for j, (s0, s1) in enumerate(banks):  # the exps first: the Scalar engine runs them back to back
+    for j, (s0, s1) in enumerate(banks):  # the exps back to back, summing in the registers
         p_sb = nl.ndarray((P, s1 - s0), dtype=dtype, buffer=nl.sbuf)
         nisa.activation(dst=p_sb, op=nl.exp, data=scores[j], bias=neg, scale=scale,
-                        reduce_res=sums[:, j:j + 1], reduce_op=nl.add)
+                        reduce_cmd=nisa.reduce_cmd.reduce if j else nisa.reduce_cmd.reset_reduce,
+                        reduce_res=blk_sum if j == len(banks) - 1 else None, reduce_op=nl.add)
         probs.append(p_sb)
     pv = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-    for j, (s0, s1) in enumerate(banks):
-        # P^T, 128 keys at a time, into one PSUM bank; one copy to SBUF per bank
-        n = s1 - s0
-        pt_ps = nl.ndarray((P, n // P, P), dtype=dtype, buffer=nl.psum)
-        for c in range(n // P):
-            nisa.nc_transpose(dst=pt_ps[:, c, :], data=probs[j][:, c * P:(c + 1) * P])
-        pt = nl.ndarray((P, n // P, P), dtype=dtype, buffer=nl.sbuf)
-        # on the Scalar engine: the Vector engine's maxima of the next step are the critical
-        # path (measured: moving a third of the copies to it is slower)
-        nisa.tensor_copy(dst=pt, src=pt_ps, engine=nisa.scalar_engine)
-        for c in range(n // P):
-            nisa.nc_matmul(dst=pv, stationary=pt[:, c, :], moving=v_sb[:, (s0 + c * P) // P, :])
-    blk_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=blk_sum, op=nl.add, data=sums, axis=1)
-    nisa.scalar_tensor_tensor(dst=t.l_sum, data=t.l_sum, op0=nl.multiply, operand0=alpha,
-                              op1=nl.add, operand1=blk_sum)
+    _transpose_into_pv(pv, probs, banks, v_sb, dtype)
+    nisa.tensor_scalar(dst=t.l_sum, data=t.l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                       operand1=blk_sum, engine=nisa.gpsimd_engine)
     nisa.scalar_tensor_tensor(dst=t.acc, data=t.acc, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv)
     t.m = m_new
 
@@ -210,14 +245,13 @@ def attention_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int
             tiles[qi] = _Tile(q, h, qi, d, causal, window, sk)
         return _scores(tiles[qi], k_t, b0, b1, causal, window)
 
-    pending = phase_a(steps[0])
+    in_flight = [phase_a(s) for s in steps[:LOOKAHEAD]]
     for i, step in enumerate(steps):
-        ahead = phase_a(steps[i + 1]) if i + 1 < len(steps) else None
-        t = tiles[step[0]]
-        _accumulate(t, v_sb, *pending, scale, q.dtype, d)
+        if i + LOOKAHEAD < len(steps):
+            in_flight.append(phase_a(steps[i + LOOKAHEAD]))
+        _accumulate(tiles[step[0]], v_sb, *in_flight.pop(0), scale, q.dtype, d)
         if step[3]:
             _finish(tiles.pop(step[0]), out, lse, h, scale, q.dtype, d)
-        pending = ahead
     return out, lse
 
 
@@ -246,7 +280,7 @@ def _pair_visible(qi: int, kj: int, causal: bool, window: int) -> bool:
 def attention_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False, window: int = 0):
     """Gradients (dq [BHq, Sq, d], dk and dv [BHq, Sk, d] per query head) of attention_fwd."""
     bhq, sq, d, bhk, sk, group = check_shapes(q, k, v, "attention_bwd")
-    isz = q.dtype.itemsize if isinstance(getattr(q.dtype, "itemsize", None), int) else np.dtype(q.dtype).itemsize
+    isz = itemsize(q.dtype)
     resident = (3 * sq // P * d + 2 * sq + sk // P * d + 2 * sk + sq // P * d) * isz + sq // P * d * 4
     if resident > 180 * 1024:
         raise ValueError(f"attention_bwd: Sq={sq}, Sk={sk} at d={d} need {resident} B a partition for Q, K, V, "
