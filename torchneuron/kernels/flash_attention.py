@@ -18,11 +18,13 @@ current one, so two steps are in flight. A step is bound by the Scalar and Vecto
 Outputs: out [BHq, Sq, d] and the log-sum-exp lse [BHq, Sq, 1] (natural log of sum
 exp(scale * s)) that backward reuses.
 
-Backward (FlashAttention-2 order), per query head: per 128-key tile, over the query tiles
-it sees: S and P = exp(scale * S - lse) are recomputed, dV += P^T dO, dP = dO V^T,
-dS = P * (dP - D) with D = rowsum(dO * O), dK += scale * dS^T Q, dQ += scale * dS K (dQ
-accumulates in SBUF in fp32). dK and dV are per query head; the op sums them over a GQA
-group.
+Backward (FlashAttention-2 order), per query head: per group of four 128-key tiles (their
+dK and dV accumulate in two PSUM banks), over the query tiles they see: S and
+P = exp(scale * S - lse) are recomputed, dV += P^T dO, dP = dO V^T, dS = P * (dP - D) with
+D = rowsum(dO * O), dK += scale * dS^T Q, dQ += scale * dS K (summed over the group's key
+tiles in PSUM, then added once to an fp32 accumulator in SBUF: a Vector-engine add per
+pair was the step's critical path). dK and dV are per query head; the op sums them over a
+GQA group.
 
 Masks: `causal` keeps key j <= query i; `window` > 0 also drops j <= i - window (the
 window counts the query itself, as SDPA's sliding-window masks do).
@@ -41,6 +43,7 @@ P = 128           # partitions: query tile, key chunk
 BANK = 512        # fp32 scores per PSUM bank
 KBLOCK = 1024     # keys per softmax step (two PSUM banks; two steps are in flight)
 NEG = -3.0e38     # masked score (rounds to -inf below fp32)
+KGROUP = 4            # backward: key tiles whose dK, dV accumulate together (one PSUM bank each)
 LOOKAHEAD = 1         # phase A of this many later steps is issued before phase B of a step
 VECTOR_COPY_SHARE = 4  # the Vector engine copies 1/4 of P^T out of PSUM, the Scalar engine the rest
 
@@ -328,8 +331,8 @@ def attention_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False,
         nisa.nc_matmul(dst=dp_ps, stationary=do_t[:, qi * P:(qi + 1) * P], moving=v_t[:, kj * P:(kj + 1) * P])
         return p_sb, dp_ps
 
-    def phase_b(qi: int, kj: int, p_sb, dp_ps, dv_ps, dk_ps) -> None:
-        """dV += P^T dO, dS = P (dP - D), dK += dS^T Q, dQ += dS K."""
+    def phase_b(qi: int, kj: int, p_sb, dp_ps, dv_ps, dk_ps, dq_ps) -> None:
+        """dV += P^T dO, dS = P (dP - D), dK += dS^T Q, dQ += dS K (dQ in PSUM: `dq_ps`)."""
         nisa.nc_matmul(dst=dv_ps, stationary=p_sb, moving=do_n[:, qi, :])
         ds = nl.ndarray((P, P), dtype=q.dtype, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=ds, data=dp_ps, op0=nl.subtract, operand0=dsum[:, qi:qi + 1],
@@ -339,30 +342,41 @@ def attention_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False,
         nisa.nc_transpose(dst=dst_ps, data=ds)
         ds_t = nl.ndarray((P, P), dtype=q.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=ds_t, src=dst_ps, engine=nisa.scalar_engine)
-        dq_ps = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=dq_ps, stationary=ds_t, moving=k_n[:, kj, :])
-        nisa.tensor_tensor(dst=dq_acc[:, qi, :], data1=dq_acc[:, qi, :], data2=dq_ps, op=nl.add)
 
-    def store_dkv(kj: int, dv_ps, dk_ps) -> None:
+    def store_dkv(k0: int, n: int, dv_ps, dk_ps) -> None:
+        """dV and scale * dK of key tiles k0 .. k0 + n - 1 to HBM (one copy and DMA each)."""
+        rows = [[d, P], [P * d, n], [1, d]]
         for src, dst, mult in ((dv_ps, dv, 1.0), (dk_ps, dk, scale)):
-            out_sb = nl.ndarray((P, d), dtype=q.dtype, buffer=nl.sbuf)
-            nisa.activation(dst=out_sb, op=nl.copy, data=src, scale=mult)
-            nisa.dma_copy(dst=dst[h, kj * P:(kj + 1) * P, :], src=out_sb)
+            out_sb = nl.ndarray((P, n, d), dtype=q.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=out_sb, op=nl.copy, data=src[:, :n, :], scale=mult)
+            nisa.dma_copy(dst=dst.ap(rows, offset=(h * sk + k0 * P) * d), src=out_sb)
 
-    # FlashAttention-2 order: key tiles outer (dK, dV accumulate in PSUM), query tiles inner;
-    # phase A of the next pair is issued before phase B of this one (two pairs in flight)
-    pairs = [(qi, kj) for kj in range(sk // P) for qi in range(nq) if _pair_visible(qi, kj, causal, window)]
-    acc: dict = {}
-    pending = phase_a(*pairs[0]) if pairs else None
+    # FlashAttention-2 order: groups of KGROUP key tiles outer (their dK, dV accumulate in two
+    # PSUM banks), query tiles inner; a query tile's dQ sums over the group's key tiles in
+    # PSUM, then once into SBUF (the Vector engine's add per pair was its critical path)
+    nk = sk // P
+    pairs = [(qi, kj) for kg in range(0, nk, KGROUP) for qi in range(nq)
+             for kj in range(kg, min(kg + KGROUP, nk)) if _pair_visible(qi, kj, causal, window)]
+    in_flight = [phase_a(*pair) for pair in pairs[:LOOKAHEAD]]
+    acc = dq_ps = None
     for i, (qi, kj) in enumerate(pairs):
-        ahead = phase_a(*pairs[i + 1]) if i + 1 < len(pairs) else None
-        if kj not in acc:
-            acc[kj] = (nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum),
-                       nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum))
-        phase_b(qi, kj, *pending, *acc[kj])
-        if i + 1 == len(pairs) or pairs[i + 1][1] != kj:
-            store_dkv(kj, *acc.pop(kj))
-        pending = ahead
+        if i + LOOKAHEAD < len(pairs):
+            in_flight.append(phase_a(*pairs[i + LOOKAHEAD]))
+        kg = kj // KGROUP * KGROUP
+        if acc is None:
+            acc = tuple(nl.ndarray((P, KGROUP, d), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+        if dq_ps is None:
+            dq_ps = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
+        phase_b(qi, kj, *in_flight.pop(0), acc[0][:, kj - kg, :], acc[1][:, kj - kg, :], dq_ps)
+        nxt = pairs[i + 1] if i + 1 < len(pairs) else (None, -1)
+        same_group = nxt[1] // KGROUP * KGROUP == kg
+        if nxt[0] != qi or not same_group:
+            nisa.tensor_tensor(dst=dq_acc[:, qi, :], data1=dq_acc[:, qi, :], data2=dq_ps, op=nl.add)
+            dq_ps = None
+        if not same_group:
+            store_dkv(kg, min(KGROUP, nk - kg), *acc)
+            acc = None
     seen = {p[1] for p in pairs}
     for kj in range(sk // P):  # key tiles no query sees get zero gradients
         if kj not in seen:
