@@ -4,17 +4,21 @@ Layouts (natural, as torch holds them): q [BHq, Sq, d], k and v [BHkv, Sk, d] wi
 batch-major (index b * H + h), so query head i uses key/value head i // (BHq // BHkv): GQA
 and MQA. d <= 128, Sq and Sk multiples of 128. One SPMD program per query head.
 
-Forward, per head: K^T [d, Sk] and V [Sk, d] are loaded once (DMA transposes K) and stay
-in SBUF (Sk <= 32K at d = 128); per 128-query tile and key block of up to 1024 keys:
-scores in two PSUM banks (Tensor engine), their row maxima (Vector engine, fused with the
-causal / sliding-window mask by `range_select` on diagonal blocks), exp(scale * (s - m))
-with its row sums in the Scalar engine's reduction registers, P transposed 128 keys at a
-time on the Tensor engine into one PSUM bank, copied to SBUF by the Scalar (3/4) and Vector
-(1/4) engines, multiplied with V into a PSUM accumulator, rescaled into the running output;
-the [128, 1] bookkeeping (running max, -scale * max, running sum) runs on the otherwise idle
-GpSimd engine. Phase A (scores, maxima) of the next step is issued before phase B of the
-current one, so two steps are in flight. A step is bound by the Scalar and Vector engines
-(the maxima, exps and P^T copies each touch every score once), not by the Tensor engine.
+Forward, per head, two passes per group of four 128-query tiles (QGROUP). K^T [d, Sk] and
+[V | 1] [Sk, d + 1] are loaded once (DMA transposes K) and stay in SBUF (Sk <= 32K at
+d = 128). Pass 1: S = Q K^T a PSUM bank (512 keys) at a time and its exact row maxima m
+(Vector engine, fused with the causal / sliding-window mask by `range_select` where a bank
+crosses it); -m, rounded to the input dtype, is PE-transposed into a row. Pass 2, per 128
+keys: S^T - m straight from the Tensor engine (keys on partitions, the group's 512 queries
+on the free axis; -m enters through the contraction as an extra row of Q^T over a row of
+ones in K^T when d < 128 and d % 32 == 0, else through a rank-1 matmul into the same bank),
+P^T = exp(scale * (S^T - m)) in one Scalar-engine instruction, then P^T [V | 1] accumulates
+O and the row sums l of each query tile in PSUM over all keys: no P transposes, no PSUM
+copies of P, no running rescale. Finally out = O / l and lse = scale * m + log l.
+The Tensor engine bounds a step (pass 1 and pass 2 both multiply Q and K: 2.1x the useful
+matmul time at d = 128); the Vector engine (maxima) and the Scalar engine (exps) each
+touch every score once. Rounding -m to the input dtype is exact for the softmax (the same
+shift is in lse); in fp16 it needs |q.k| <= 65504.
 Outputs: out [BHq, Sq, d] and the log-sum-exp lse [BHq, Sq, 1] (natural log of sum
 exp(scale * s)) that backward reuses.
 
@@ -41,11 +45,11 @@ from ..nki import language as nl
 
 P = 128           # partitions: query tile, key chunk
 BANK = 512        # fp32 scores per PSUM bank
-KBLOCK = 1024     # keys per softmax step (two PSUM banks; two steps are in flight)
+KBLOCK = 1024     # rows per DMA transpose
 NEG = -3.0e38     # masked score (rounds to -inf below fp32)
 KGROUP = 4            # backward: key tiles whose dK, dV accumulate together (one PSUM bank each)
-LOOKAHEAD = 1         # phase A of this many later steps is issued before phase B of a step
-VECTOR_COPY_SHARE = 4  # the Vector engine copies 1/4 of P^T out of PSUM, the Scalar engine the rest
+QGROUP = 4            # forward: query tiles sharing pass 2 (512 query columns, one PSUM bank of S^T)
+LOOKAHEAD = 1         # backward: phase A of this many later pairs is issued before phase B of a pair
 
 
 def itemsize(dtype) -> int:
@@ -96,134 +100,131 @@ def _bounds(qi: int, causal: bool, window: int, sk: int):
     return lo, hi
 
 
-def _needs_mask(qi: int, k0: int, k1: int, causal: bool, window: int) -> bool:
-    """Whether keys [k0, k1) cross a mask edge for query tile qi."""
-    q0, q1 = qi * P, qi * P + P - 1
-    if causal and k1 - 1 > q0:
+def _crosses_mask(q0: int, q1: int, k0: int, k1: int, causal: bool, window: int) -> bool:
+    """Whether some (query, key) pair of queries q0..q1 and keys k0..k1 (inclusive) is masked."""
+    if causal and k1 > q0:
         return True
     return window > 0 and k0 <= q1 - window
 
 
-def _load_kv(k, v, kv: int, sk: int, d: int):
-    """K^T [d, Sk] and V as [128 keys, Sk/128, d] in SBUF (loaded once per head)."""
-    k_t = nl.ndarray((d, sk), dtype=k.dtype, buffer=nl.sbuf)
-    v_sb = nl.ndarray((P, sk // P, d), dtype=v.dtype, buffer=nl.sbuf)
-    for c in range(sk // KBLOCK + (sk % KBLOCK > 0)):
-        n = min(KBLOCK, sk - c * KBLOCK)
-        nisa.dma_transpose(dst=k_t[:, c * KBLOCK:c * KBLOCK + n], src=k[kv, c * KBLOCK:c * KBLOCK + n, :])
+def _needs_mask(qi: int, k0: int, k1: int, causal: bool, window: int) -> bool:
+    """Whether keys [k0, k1) cross a mask edge for query tile qi."""
+    return _crosses_mask(qi * P, qi * P + P - 1, k0, k1 - 1, causal, window)
+
+
+def _load_transposed(dst, src, h: int, s: int) -> None:
+    """dst [d, S] = src[h]^T by DMA transposes of KBLOCK rows."""
+    for c in range(0, s, KBLOCK):
+        n = min(KBLOCK, s - c)
+        nisa.dma_transpose(dst=dst[:, c:c + n], src=src[h, c:c + n, :])
+
+
+def _load_kv(k, v, kv: int, sk: int, d: int, fold: bool):
+    """K^T [d, Sk] (with a row of ones below it when `fold`) and V with a column of ones,
+    [128 keys, Sk/128, d + 1] (loaded once per head): P^T V then also yields the row sums."""
+    k_t = nl.ndarray((d + fold, sk), dtype=k.dtype, buffer=nl.sbuf)
+    if fold:
+        nisa.memset(dst=k_t[d:d + 1, :], value=1.0, engine=nisa.gpsimd_engine)
+    v_aug = nl.ndarray((P, sk // P, d + 1), dtype=v.dtype, buffer=nl.sbuf)
+    _load_transposed(k_t[:d, :], k, kv, sk)
     # v[kv] rows r = t * 128 + p land on partition p, slot t
-    nisa.dma_copy(dst=v_sb, src=v.ap([[d, P], [P * d, sk // P], [1, d]], offset=kv * sk * d))
-    return k_t, v_sb
+    nisa.dma_copy(dst=v_aug[:, :, :d], src=v.ap([[d, P], [P * d, sk // P], [1, d]], offset=kv * sk * d))
+    nisa.memset(dst=v_aug[:, :, d:], value=1.0, engine=nisa.gpsimd_engine)
+    return k_t, v_aug
 
 
-class _Tile:
-    """Running softmax state of one 128-query tile."""
-
-    def __init__(self, q, h: int, qi: int, d: int, causal: bool, window: int, sk: int):
-        self.qi = qi
-        self.q_t = nl.ndarray((d, P), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=self.q_t, src=q[h, qi * P:(qi + 1) * P, :])
-        self.m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.m, value=NEG, engine=nisa.gpsimd_engine)
-        self.l_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.l_sum, value=0.0, engine=nisa.gpsimd_engine)
-        self.acc = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=self.acc, value=0.0, engine=nisa.gpsimd_engine)
-        self.lo, self.hi = _bounds(qi, causal, window, sk)
-
-
-def _scores(t: _Tile, k_t, b0: int, b1: int, causal: bool, window: int):
-    """Phase A of a key block: scores (PSUM, or SBUF where masked) and their row maxima."""
-    banks = [(s0, min(s0 + BANK, b1)) for s0 in range(b0, b1, BANK)]
+def _row_max(q_t, k_t, qi: int, col: int, sk: int, d: int, causal: bool, window: int):
+    """Pass 1 for query tile qi (columns col.. of q_t): its row maxima over the keys it sees,
+    [128, 1] fp32, from S in PSUM a bank at a time (Vector engine; masked banks through
+    `range_select`, which fuses the mask with the maximum)."""
+    k_lo, k_hi = _key_range(qi, sk, causal, window)
+    banks = [(s0, min(s0 + BANK, k_hi)) for s0 in range(k_lo, k_hi, BANK)]
     part_max = nl.ndarray((P, len(banks)), dtype=nl.float32, buffer=nl.sbuf)
-    scores = []
+    bounds = _bounds(qi, causal, window, sk) if causal or window else None
     for j, (s0, s1) in enumerate(banks):
         s_ps = nl.ndarray((P, s1 - s0), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=s_ps, stationary=t.q_t, moving=k_t[:, s0:s1])
-        if _needs_mask(t.qi, s0, s1, causal, window):
+        nisa.nc_matmul(dst=s_ps, stationary=q_t[:d, col:col + P], moving=k_t[:d, s0:s1])
+        if _needs_mask(qi, s0, s1, causal, window):
             s_sb = nl.ndarray((P, s1 - s0), dtype=nl.float32, buffer=nl.sbuf)
             nisa.range_select(dst=s_sb, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
-                              bound0=t.lo, bound1=t.hi, range_start=float(s0), on_false_value=NEG,
+                              bound0=bounds[0], bound1=bounds[1], range_start=float(s0), on_false_value=NEG,
                               reduce_res=part_max[:, j:j + 1], reduce_op=nl.maximum,
                               reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            scores.append(s_sb)
         else:
             nisa.tensor_reduce(dst=part_max[:, j:j + 1], op=nl.maximum, data=s_ps, axis=1)
-            scores.append(s_ps)
-    return banks, scores, part_max
+    m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m, op=nl.maximum, data=part_max, axis=1)
+    return m
 
 
-def _running_max(m_new, m_old, part_max) -> None:
-    """m_new = max(m_old, the block's per-bank maxima) in one or two GpSimd instructions (SBUF only)."""
-    cols = part_max.shape[1]
-    src = m_old
-    for c in range(0, cols, 2):
-        hi = min(c + 2, cols)
-        kw = dict(op1=nl.maximum, operand1=part_max[:, c + 1:c + 2]) if hi - c == 2 else {}
-        nisa.tensor_scalar(dst=m_new, data=src, op0=nl.maximum, operand0=part_max[:, c:c + 1],
-                           engine=nisa.gpsimd_engine, **kw)
-        src = m_new
+def _shift_row(m, neg_row, col: int, dtype):
+    """-m rounded to the input dtype, [128, 1] (returned), and transposed into neg_row's
+    columns col.. (a [1, 128] PE transpose): the per-query shift pass 2 adds to S^T."""
+    neg_m = nl.ndarray((P, 1), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_m, data=m, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+    row_ps = nl.ndarray((1, P), dtype=dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=row_ps, data=neg_m)
+    nisa.tensor_copy(dst=neg_row[:, col:col + P], src=row_ps, engine=nisa.scalar_engine)
+    return neg_m
 
 
-def _transpose_into_pv(pv, probs, banks, v_sb, dtype) -> None:
-    """pv += P V: P^T 128 keys at a time on the Tensor engine into PSUM tiles of up to a
-    bank, each copied to SBUF once, its last `1 / VECTOR_COPY_SHARE` chunks by the Vector
-    engine and the rest by the Scalar engine, then multiplied with V."""
-    chunks = [(j, c) for j, (s0, s1) in enumerate(banks) for c in range((s1 - s0) // P)]
-    per_tile = BANK * 4 // (P * itemsize(dtype))  # chunks of P^T in one PSUM bank
-    for g in range(0, len(chunks), per_tile):
-        group = chunks[g:g + per_tile]
-        pt_ps = nl.ndarray((P, len(group), P), dtype=dtype, buffer=nl.psum)
-        for i, (j, c) in enumerate(group):
-            nisa.nc_transpose(dst=pt_ps[:, i, :], data=probs[j][:, c * P:(c + 1) * P])
-        pt = nl.ndarray((P, len(group), P), dtype=dtype, buffer=nl.sbuf)
-        split = len(group) - len(group) // VECTOR_COPY_SHARE
-        nisa.tensor_copy(dst=pt[:, :split, :], src=pt_ps[:, :split, :], engine=nisa.scalar_engine)
-        if split < len(group):
-            nisa.tensor_copy(dst=pt[:, split:, :], src=pt_ps[:, split:, :], engine=nisa.vector_engine)
-        for i, (j, c) in enumerate(group):
-            nisa.nc_matmul(dst=pv, stationary=pt[:, i, :], moving=v_sb[:, (banks[j][0] + c * P) // P, :])
+def _key_bounds(k0: int, causal: bool, window: int, sq: int):
+    """Per-key [128, 1] tiles for the keys k0..k0+127: first query that sees the key and one
+    past the last (fp32)."""
+    lo = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    hi = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if causal:
+        nisa.iota(lo, [[1, 1]], k0, 1)
+    else:
+        nisa.memset(dst=lo, value=0.0, engine=nisa.gpsimd_engine)
+    if window > 0:
+        nisa.iota(hi, [[1, 1]], k0 + window, 1)
+    else:
+        nisa.memset(dst=hi, value=float(sq), engine=nisa.gpsimd_engine)
+    return lo, hi
 
 
-def _accumulate(t: _Tile, v_sb, banks, scores, part_max, scale: float, dtype, d: int) -> None:
-    """Phase B: new running max, P = exp(scale * (s - m)), P^T V into the running output.
-
-    The Scalar and Vector engines, not the Tensor engine, bound a step, so: the [P, 1]
-    bookkeeping runs on the GpSimd engine (SBUF operands only); the row sums stay in the
-    Scalar engine's reduction registers across the step's exps (one read-out); the P^T
-    copies are shared by the Scalar and Vector engines."""
-    m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    _running_max(m_new, t.m, part_max)
-    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg, data=m_new, op0=nl.multiply, operand0=-scale, engine=nisa.gpsimd_engine)
-    alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=alpha, op=nl.exp, data=t.m, bias=neg, scale=scale)
-    blk_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    probs = []
-    for j, (s0, s1) in enumerate(banks):  # the exps back to back, summing in the registers
-        p_sb = nl.ndarray((P, s1 - s0), dtype=dtype, buffer=nl.sbuf)
-        nisa.activation(dst=p_sb, op=nl.exp, data=scores[j], bias=neg, scale=scale,
-                        reduce_cmd=nisa.reduce_cmd.reduce if j else nisa.reduce_cmd.reset_reduce,
-                        reduce_res=blk_sum if j == len(banks) - 1 else None, reduce_op=nl.add)
-        probs.append(p_sb)
-    pv = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.psum)
-    _transpose_into_pv(pv, probs, banks, v_sb, dtype)
-    nisa.tensor_scalar(dst=t.l_sum, data=t.l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
-                       operand1=blk_sum, engine=nisa.gpsimd_engine)
-    nisa.scalar_tensor_tensor(dst=t.acc, data=t.acc, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv)
-    t.m = m_new
+def _query_span(k0: int, g0: int, g1: int, causal: bool, window: int) -> tuple[int, int]:
+    """Query tiles' range [qa, qb) within [g0, g1) that sees some key of k0..k0+127."""
+    qa = max(g0, k0) if causal else g0
+    qb = min(g1, (k0 + P - 1 + window + P - 1) // P * P) if window > 0 else g1
+    return qa, qb
 
 
-def _finish(t: _Tile, out, lse, h: int, scale: float, dtype, d: int) -> None:
+def _probs_t(k_t, q_t, neg_row, ones, k0: int, qa: int, qb: int, g0: int, scale: float, dtype,
+             causal: bool, window: int, sq: int):
+    """Pass 2 for keys k0..k0+127 and queries qa..qb-1: P^T = exp(scale * (S^T - m)), keys on
+    partitions, straight from the Tensor engine: S^T = K Q^T and -m added in the same PSUM
+    bank, by the contraction itself when Q^T carries -m as an extra row over K^T's row of
+    ones (`ones` is None), else by a rank-1 matmul ones^T x -m. No transpose, no PSUM copy."""
+    n = qb - qa
+    st_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=st_ps, stationary=k_t[:, k0:k0 + P], moving=q_t[:, qa - g0:qb - g0])
+    if ones is not None:
+        nisa.nc_matmul(dst=st_ps, stationary=ones, moving=neg_row[:, qa - g0:qb - g0])
+    src = st_ps
+    if _crosses_mask(qa, qb - 1, k0, k0 + P - 1, causal, window):
+        lo, hi = _key_bounds(k0, causal, window, sq)
+        src = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.range_select(dst=src, on_true_tile=st_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=lo, bound1=hi, range_start=float(qa), on_false_value=NEG)
+    p_t = nl.ndarray((P, n), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=p_t, op=nl.exp, data=src, scale=scale)
+    return p_t
+
+
+def _finish(o_ps, neg_m, out, lse, h: int, q0: int, scale: float, dtype, d: int) -> None:
+    """out = O / l and lse = scale * m + log l for the query tile at q0, O and l in o_ps."""
     inv = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=inv, data=t.l_sum)
+    nisa.reciprocal(dst=inv, data=o_ps[:, d:d + 1])
     o_sb = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=o_sb, data=t.acc, op0=nl.multiply, operand0=inv, engine=nisa.gpsimd_engine)
-    nisa.dma_copy(dst=out[h, t.qi * P:(t.qi + 1) * P, :], src=o_sb)
+    nisa.tensor_scalar(dst=o_sb, data=o_ps[:, :d], op0=nl.multiply, operand0=inv)
+    nisa.dma_copy(dst=out[h, q0:q0 + P, :], src=o_sb)
     lse_sb = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=lse_sb, op=nl.log, data=t.l_sum)
-    nisa.scalar_tensor_tensor(dst=lse_sb, data=t.m, op0=nl.multiply, operand0=scale, op1=nl.add, operand1=lse_sb)
-    nisa.dma_copy(dst=lse[h, t.qi * P:(t.qi + 1) * P, :], src=lse_sb)
+    nisa.activation(dst=lse_sb, op=nl.log, data=o_ps[:, d:d + 1])
+    nisa.scalar_tensor_tensor(dst=lse_sb, data=neg_m, op0=nl.multiply, operand0=-scale, op1=nl.add,
+                              operand1=lse_sb)
+    nisa.dma_copy(dst=lse[h, q0:q0 + P, :], src=lse_sb)
 
 
 @nki.jit
@@ -232,29 +233,39 @@ def attention_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int
     out = nl.ndarray((bhq, sq, d), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((bhq, sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     h = nl.program_id(0)
-    k_t, v_sb = _load_kv(k, v, h // group, sk, d)
-    # every (query tile, key block) step; phase A (scores, maxima) of the next step is issued
-    # before phase B (softmax, PV) of this one, so the engines work on two steps at once
-    steps = []
-    for qi in range(sq // P):
-        k_lo, k_hi = _key_range(qi, sk, causal, window)
-        blocks = [(b0, min(b0 + KBLOCK, k_hi)) for b0 in range(k_lo, k_hi, KBLOCK)]
-        steps += [(qi, b0, b1, i == len(blocks) - 1) for i, (b0, b1) in enumerate(blocks)]
-    tiles: dict = {}
-
-    def phase_a(step):
-        qi, b0, b1, _ = step
-        if qi not in tiles:
-            tiles[qi] = _Tile(q, h, qi, d, causal, window, sk)
-        return _scores(tiles[qi], k_t, b0, b1, causal, window)
-
-    in_flight = [phase_a(s) for s in steps[:LOOKAHEAD]]
-    for i, step in enumerate(steps):
-        if i + LOOKAHEAD < len(steps):
-            in_flight.append(phase_a(steps[i + LOOKAHEAD]))
-        _accumulate(tiles[step[0]], v_sb, *in_flight.pop(0), scale, q.dtype, d)
-        if step[3]:
-            _finish(tiles.pop(step[0]), out, lse, h, scale, q.dtype, d)
+    # -m rides in the contraction as row d of Q^T when that row is free and starts a partition
+    # quadrant (the engines address partitions from 0, 32, 64 or 96); else a rank-1 matmul
+    fold = d < P and d % 32 == 0
+    k_t, v_aug = _load_kv(k, v, h // group, sk, d, fold)
+    ones = None
+    if not fold:
+        ones = nl.ndarray((1, P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0, engine=nisa.gpsimd_engine)
+    per_bank = BANK // (d + 1)  # [128, d + 1] fp32 accumulators in one PSUM bank
+    for g0 in range(0, sq, QGROUP * P):
+        g1 = min(sq, g0 + QGROUP * P)
+        tiles = (g1 - g0) // P
+        q_t = nl.ndarray((d + fold, g1 - g0), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=q_t[:d, :], src=q[h, g0:g1, :])
+        # pass 1: each query tile's row maxima, as a shift row for pass 2
+        neg_row = q_t[d:d + 1, :] if fold else nl.ndarray((1, g1 - g0), dtype=q.dtype, buffer=nl.sbuf)
+        neg_m = [_shift_row(_row_max(q_t, k_t, g0 // P + t, t * P, sk, d, causal, window), neg_row, t * P,
+                            q.dtype) for t in range(tiles)]
+        # pass 2: per 128 keys, P^T for the group's query tiles that see them, times [V | 1]
+        accs = [nl.ndarray((P, min(per_bank, tiles - b), d + 1), dtype=nl.float32, buffer=nl.psum)
+                for b in range(0, tiles, per_bank)]
+        for k0 in range(0, sk, P):
+            qa, qb = _query_span(k0, g0, g1, causal, window)
+            if qa >= qb:
+                continue
+            p_t = _probs_t(k_t, q_t, neg_row, ones, k0, qa, qb, g0, scale, q.dtype, causal, window, sq)
+            for t in range((qa - g0) // P, (qb - g0) // P):
+                acc = accs[t // per_bank][:, t % per_bank, :]
+                nisa.nc_matmul(dst=acc, stationary=p_t[:, t * P - (qa - g0):(t + 1) * P - (qa - g0)],
+                               moving=v_aug[:, k0 // P, :])
+        for t in range(tiles):
+            _finish(accs[t // per_bank][:, t % per_bank, :], neg_m[t], out, lse, h, g0 + t * P, scale,
+                    q.dtype, d)
     return out, lse
 
 
@@ -263,9 +274,7 @@ def _resident(src, h: int, s: int, d: int, transposed: bool):
     partition p) or transposed as [d, S]."""
     if transposed:
         dst = nl.ndarray((d, s), dtype=src.dtype, buffer=nl.sbuf)
-        for c in range(0, s, KBLOCK):
-            n = min(KBLOCK, s - c)
-            nisa.dma_transpose(dst=dst[:, c:c + n], src=src[h, c:c + n, :])
+        _load_transposed(dst, src, h, s)
         return dst
     dst = nl.ndarray((P, s // P, d), dtype=src.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=dst, src=src.ap([[d, P], [P * d, s // P], [1, d]], offset=h * s * d))
@@ -415,16 +424,17 @@ def _mask(sq: int, sk: int, causal: bool, window: int):
 
 def host_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int = 0):
     """attention_fwd's result computed with torch on the host, the kernel's numerics: fp32
-    scores and sums, P rounded to the input dtype before P V, the output cast back."""
+    scores, the row maximum's shift rounded to the input dtype, P rounded to it before P V
+    and before its fp32 row sums, the output cast back."""
     import torch
     check_shapes(q, k, v, "attention_fwd")
     g = q.shape[0] // k.shape[0]
     kf, vf = k.float().repeat_interleave(g, 0), v.float().repeat_interleave(g, 0)
     s = (q.float() @ kf.transpose(1, 2)).masked_fill(~_mask(q.shape[1], k.shape[1], causal, window), -math.inf)
-    m = s.amax(-1, keepdim=True)
-    p = torch.exp(scale * (s - m))
+    m = -(-s.amax(-1, keepdim=True)).to(q.dtype).float()
+    p = torch.exp(scale * (s - m)).to(q.dtype).float()
     l_sum = p.sum(-1, keepdim=True)
-    out = (p.to(q.dtype).float() @ vf) / l_sum
+    out = (p @ vf) / l_sum
     return out.to(q.dtype), scale * m + torch.log(l_sum)
 
 
