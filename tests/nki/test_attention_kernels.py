@@ -66,11 +66,12 @@ def test_attention_op_backward_matches_torch_sdpa(hq, hk, d, causal, window, dty
 
 
 
-@pytest.mark.parametrize("d,causal,window", [(96, True, 300), (80, False, 200)])
-def test_attention_forward_over_several_query_groups_matches_torch_and_its_host_path(d, causal, window):
-    """640 queries: a full group of QGROUP query tiles and a partial one; d = 96 carries the
-    row-max shift in the contraction, d = 80 (no free partition quadrant) by a rank-1 matmul."""
-    q, k, v = _qkv(1, 2, 1, 640, d, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("s,d,causal,window", [(1152, 96, True, 300), (640, 80, False, 200)])
+def test_attention_forward_over_several_query_groups_matches_torch_and_its_host_path(s, d, causal, window):
+    """Full groups of QGROUP query tiles and a partial one, K and V loaded in one or two
+    KBLOCKs; d = 96 carries the row-max shift in the contraction, d = 80 (no free partition
+    quadrant) by a rank-1 matmul."""
+    q, k, v = _qkv(1, 2, 1, s, d, torch.bfloat16, seed=5)
     out, lse = fa.attention_fwd[2](q, k, v, d ** -0.5, causal, window)
     ref, ref_lse = fa.reference(q, k, v, d ** -0.5, causal, window)
     assert (out.float() - ref).abs().max().item() <= TOL[torch.bfloat16] * max(1.0, ref.abs().max().item())
@@ -81,9 +82,10 @@ def test_attention_forward_over_several_query_groups_matches_torch_and_its_host_
     assert (lse - host_lse).abs().max().item() <= 1e-5
 
 def test_attention_backward_kernel_over_several_key_groups_matches_its_host_path():
-    """640 keys: a full group of KGROUP key tiles and a partial one, causal with a window
-    (some pairs masked, some skipped), GQA: the kernel equals host_bwd."""
-    s, d, dtype = 640, 64, torch.bfloat16
+    """1152 keys: two full groups of KGROUP key tiles and a partial one, residents loaded in
+    two KBLOCKs, causal with a window (some pairs masked, some skipped), GQA: the kernel
+    equals host_bwd."""
+    s, d, dtype = 1152, 64, torch.bfloat16
     q, k, v = _qkv(1, 2, 1, s, d, dtype, seed=3)
     o, lse = fa.host_fwd(q, k, v, d ** -0.5, True, 300)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)

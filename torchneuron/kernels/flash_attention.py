@@ -112,23 +112,27 @@ def _needs_mask(qi: int, k0: int, k1: int, causal: bool, window: int) -> bool:
     return _crosses_mask(qi * P, qi * P + P - 1, k0, k1 - 1, causal, window)
 
 
-def _load_transposed(dst, src, h: int, s: int) -> None:
-    """dst [d, S] = src[h]^T by DMA transposes of KBLOCK rows."""
-    for c in range(0, s, KBLOCK):
-        n = min(KBLOCK, s - c)
-        nisa.dma_transpose(dst=dst[:, c:c + n], src=src[h, c:c + n, :])
+def _load_rows(dst, src, h: int, s: int, d: int, r0: int, n: int, transposed: bool) -> None:
+    """Rows r0 .. r0 + n of src[h] ([BH, S, d] in HBM) into dst: transposed, dst is [d, n]
+    (DMA transposes); natural, dst is [128, n / 128, d] (row r0 + t * 128 + p on partition p)."""
+    if transposed:
+        nisa.dma_transpose(dst=dst, src=src[h, r0:r0 + n, :])
+    else:
+        nisa.dma_copy(dst=dst, src=src.ap([[d, P], [P * d, n // P], [1, d]], offset=(h * s + r0) * d))
 
 
 def _load_kv(k, v, kv: int, sk: int, d: int, fold: bool):
     """K^T [d, Sk] (with a row of ones below it when `fold`) and V with a column of ones,
-    [128 keys, Sk/128, d + 1] (loaded once per head): P^T V then also yields the row sums."""
+    [128 keys, Sk/128, d + 1] (loaded once per head, KBLOCK keys at a time, K and V of the
+    first keys first): P^T V then also yields the row sums."""
     k_t = nl.ndarray((d + fold, sk), dtype=k.dtype, buffer=nl.sbuf)
     if fold:
         nisa.memset(dst=k_t[d:d + 1, :], value=1.0, engine=nisa.gpsimd_engine)
     v_aug = nl.ndarray((P, sk // P, d + 1), dtype=v.dtype, buffer=nl.sbuf)
-    _load_transposed(k_t[:d, :], k, kv, sk)
-    # v[kv] rows r = t * 128 + p land on partition p, slot t
-    nisa.dma_copy(dst=v_aug[:, :, :d], src=v.ap([[d, P], [P * d, sk // P], [1, d]], offset=kv * sk * d))
+    for c in range(0, sk, KBLOCK):
+        n = min(KBLOCK, sk - c)
+        _load_rows(k_t[:d, c:c + n], k, kv, sk, d, c, n, True)
+        _load_rows(v_aug[:, c // P:(c + n) // P, :d], v, kv, sk, d, c, n, False)
     nisa.memset(dst=v_aug[:, :, d:], value=1.0, engine=nisa.gpsimd_engine)
     return k_t, v_aug
 
@@ -236,6 +240,15 @@ def attention_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int
     # -m rides in the contraction as row d of Q^T when that row is free and starts a partition
     # quadrant (the engines address partitions from 0, 32, 64 or 96); else a rank-1 matmul
     fold = d < P and d % 32 == 0
+
+    def load_q(g0: int):
+        """Q^T of the query group at g0, [d (+ the shift row), up to QGROUP * 128]."""
+        n = min(sq, g0 + QGROUP * P) - g0
+        q_t = nl.ndarray((d + fold, n), dtype=q.dtype, buffer=nl.sbuf)
+        _load_rows(q_t[:d, :], q, h, sq, d, g0, n, True)
+        return q_t
+
+    q_next = load_q(0)  # before K and V: the first group's pass 1 starts with their first keys
     k_t, v_aug = _load_kv(k, v, h // group, sk, d, fold)
     ones = None
     if not fold:
@@ -245,8 +258,9 @@ def attention_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int
     for g0 in range(0, sq, QGROUP * P):
         g1 = min(sq, g0 + QGROUP * P)
         tiles = (g1 - g0) // P
-        q_t = nl.ndarray((d + fold, g1 - g0), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=q_t[:d, :], src=q[h, g0:g1, :])
+        q_t = q_next
+        if g1 < sq:
+            q_next = load_q(g1)
         # pass 1: each query tile's row maxima, as a shift row for pass 2
         neg_row = q_t[d:d + 1, :] if fold else nl.ndarray((1, g1 - g0), dtype=q.dtype, buffer=nl.sbuf)
         neg_m = [_shift_row(_row_max(q_t, k_t, g0 // P + t, t * P, sk, d, causal, window), neg_row, t * P,
@@ -269,16 +283,19 @@ def attention_fwd(q, k, v, scale: float = 1.0, causal: bool = False, window: int
     return out, lse
 
 
-def _resident(src, h: int, s: int, d: int, transposed: bool):
-    """One head of a [BH, S, d] tensor in SBUF: natural as [128, S/128, d] (row t*128 + p on
-    partition p) or transposed as [d, S]."""
-    if transposed:
-        dst = nl.ndarray((d, s), dtype=src.dtype, buffer=nl.sbuf)
-        _load_transposed(dst, src, h, s)
-        return dst
-    dst = nl.ndarray((P, s // P, d), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=dst, src=src.ap([[d, P], [P * d, s // P], [1, d]], offset=h * s * d))
-    return dst
+def _residents(specs: list, d: int) -> list:
+    """One head of each [BH, S, d] tensor of `specs` ((tensor, head, S, transposed) each) in
+    SBUF, natural [128, S/128, d] or transposed [d, S] (see _load_rows), loaded KBLOCK rows
+    at a time with the first rows of every tensor first, so the first tiles' work starts
+    before the rest arrives."""
+    tiles = [nl.ndarray((d, n) if tr else (P, n // P, d), dtype=src.dtype, buffer=nl.sbuf)
+             for src, _, n, tr in specs]
+    for c in range(0, max(spec[2] for spec in specs), KBLOCK):
+        for (src, h, n, tr), dst in zip(specs, tiles):
+            if c < n:
+                w = min(KBLOCK, n - c)
+                _load_rows(dst[:, c:c + w] if tr else dst[:, c // P:(c + w) // P, :], src, h, n, d, c, w, tr)
+    return tiles
 
 
 def _pair_visible(qi: int, kj: int, causal: bool, window: int) -> bool:
@@ -302,16 +319,14 @@ def attention_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False,
     dv = nl.ndarray((bhq, sk, d), dtype=q.dtype, buffer=nl.shared_hbm)
     h = nl.program_id(0)
     kv = h // group
-    q_n, q_t = _resident(q, h, sq, d, False), _resident(q, h, sq, d, True)
-    do_n, do_t = _resident(do, h, sq, d, False), _resident(do, h, sq, d, True)
-    k_n, k_t = _resident(k, kv, sk, d, False), _resident(k, kv, sk, d, True)
-    v_t = _resident(v, kv, sk, d, True)
     nq = sq // P
     # -lse and D = rowsum(dO * O) per query tile, [128, nq] fp32
     neg_lse = nl.ndarray((P, nq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=neg_lse, src=lse.ap([[1, P], [P, nq], [1, 1]], offset=h * sq))
     nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
-    o_n = _resident(o, h, sq, d, False)
+    q_t, k_t, do_t, v_t, do_n, o_n, q_n, k_n = _residents(
+        [(q, h, sq, True), (k, kv, sk, True), (do, h, sq, True), (v, kv, sk, True), (do, h, sq, False),
+         (o, h, sq, False), (q, h, sq, False), (k, kv, sk, False)], d)
     dsum = nl.ndarray((P, nq), dtype=nl.float32, buffer=nl.sbuf)
     for qi in range(nq):
         prod = nl.ndarray((P, d), dtype=nl.float32, buffer=nl.sbuf)
