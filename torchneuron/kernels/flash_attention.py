@@ -43,20 +43,13 @@ from .. import nki
 from ..nki import isa as nisa
 from ..nki import language as nl
 
-P = 128           # partitions: query tile, key chunk
-BANK = 512        # fp32 scores per PSUM bank
-KBLOCK = 1024     # rows per DMA transpose
-NEG = -3.0e38     # masked score (rounds to -inf below fp32)
-KGROUP = 4            # backward: key tiles whose dK, dV accumulate together (one PSUM bank each)
-QGROUP = 4            # forward: query tiles sharing pass 2 (512 query columns, one PSUM bank of S^T)
-LOOKAHEAD = 1         # backward: phase A of this many later pairs is issued before phase B of a pair
-
-
-def itemsize(dtype) -> int:
-    """Bytes of a kernel tile's dtype (an NKI dtype or a numpy one)."""
-    size = getattr(dtype, "itemsize", None)
-    return size if isinstance(size, int) else np.dtype(dtype).itemsize
-
+P = 128        # partitions: query tile, key chunk
+BANK = 512     # fp32 scores per PSUM bank
+KBLOCK = 1024  # rows per DMA load of a resident tensor
+NEG = -3.0e38  # masked score (rounds to -inf below fp32)
+QGROUP = 4     # forward: query tiles sharing pass 2 (512 query columns: one PSUM bank of S^T)
+KGROUP = 4     # backward: key tiles whose dK (and dV) accumulate in one PSUM bank
+LOOKAHEAD = 1  # backward: phase A of this many later pairs is issued before phase B of a pair
 
 def check_shapes(q, k, v, what: str) -> tuple:
     """(BHq, Sq, d, BHkv, Sk, group) after validating the layout; raises naming the rule."""
@@ -309,7 +302,7 @@ def _pair_visible(qi: int, kj: int, causal: bool, window: int) -> bool:
 def attention_bwd(q, k, v, o, do, lse, scale: float = 1.0, causal: bool = False, window: int = 0):
     """Gradients (dq [BHq, Sq, d], dk and dv [BHq, Sk, d] per query head) of attention_fwd."""
     bhq, sq, d, bhk, sk, group = check_shapes(q, k, v, "attention_bwd")
-    isz = itemsize(q.dtype)
+    isz = q.dtype.itemsize if isinstance(getattr(q.dtype, "itemsize", None), int) else np.dtype(q.dtype).itemsize
     resident = (3 * sq // P * d + 2 * sq + sk // P * d + 2 * sk + sq // P * d) * isz + sq // P * d * 4
     if resident > 180 * 1024:
         raise ValueError(f"attention_bwd: Sq={sq}, Sk={sk} at d={d} need {resident} B a partition for Q, K, V, "
