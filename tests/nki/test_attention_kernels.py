@@ -81,6 +81,19 @@ def test_attention_forward_over_several_query_groups_matches_torch_and_its_host_
     assert (out.float() - host_out.float()).abs().max().item() <= 2 ** -7 * max(1.0, ref.abs().max().item())
     assert (lse - host_lse).abs().max().item() <= 1e-5
 
+
+def test_attention_forward_rows_that_see_no_key_are_nan_as_softmax_makes_them():
+    """A window with fewer keys than queries leaves the last queries no key (whole query
+    tiles among them): those rows are NaN, lse -inf, as torch's softmax gives; the rest match."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, n, 64, generator=g).to(torch.bfloat16) for n in (512, 128, 128))
+    out, lse = fa.attention_fwd[1](q, k, v, 0.125, True, 64)
+    ref, ref_lse = fa.reference(q, k, v, 0.125, True, 64)
+    empty = ref.isnan().any(-1)
+    assert empty.any() and torch.equal(out.float().isnan().any(-1), empty)
+    assert torch.equal(lse[empty], ref_lse[empty])
+    assert (out.float() - ref)[~empty].abs().max().item() <= TOL[torch.bfloat16] * 2
+
 def test_attention_backward_kernel_over_several_key_groups_matches_its_host_path():
     """1152 keys: two full groups of KGROUP key tiles and a partial one, residents loaded in
     two KBLOCKs, causal with a window (some pairs masked, some skipped), GQA: the kernel

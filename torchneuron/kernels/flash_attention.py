@@ -136,6 +136,10 @@ def _row_max(q_t, k_t, qi: int, col: int, sk: int, d: int, causal: bool, window:
     `range_select`, which fuses the mask with the maximum)."""
     k_lo, k_hi = _key_range(qi, sk, causal, window)
     banks = [(s0, min(s0 + BANK, k_hi)) for s0 in range(k_lo, k_hi, BANK)]
+    m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if not banks:  # no key visible (a window past Sk): l = 0, so out and lse are NaN, as softmax's
+        nisa.memset(dst=m, value=NEG, engine=nisa.gpsimd_engine)
+        return m
     part_max = nl.ndarray((P, len(banks)), dtype=nl.float32, buffer=nl.sbuf)
     bounds = _bounds(qi, causal, window, sk) if causal or window else None
     for j, (s0, s1) in enumerate(banks):
@@ -149,7 +153,6 @@ def _row_max(q_t, k_t, qi: int, col: int, sk: int, d: int, causal: bool, window:
                               reduce_cmd=nisa.reduce_cmd.reset_reduce)
         else:
             nisa.tensor_reduce(dst=part_max[:, j:j + 1], op=nl.maximum, data=s_ps, axis=1)
-    m = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m, op=nl.maximum, data=part_max, axis=1)
     return m
 
