@@ -3,7 +3,7 @@ performance model's formula for the same work (the price eager ops had before th
 priced them), both measured in this run.
 
 Timing-only simulations (typed placeholders): attention forward and backward at 8K x 128
-bf16 (one head), decode attention at batch 32 x context 4K in vLLM's paged KV-cache layout
+bf16 (one head; forward also causal and at d = 64), decode attention at batch 32 x context 4K in vLLM's paged KV-cache layout
 through a block table (Llama-8B-like heads: 32 query, 8 key/value, d 128, blocks of 128 and of
 256 keys), the MoE blockwise grouped matmul (8 blocks of 512 tokens, 4096 x 2048 expert
 weights).
@@ -13,7 +13,10 @@ PE transposes included); useful % (the op's matmul FLOPs at the bf16 peak over t
 HBM % (the bytes the op must move at the core's HBM bandwidth over the latency); formula /
 kernel (the formula's time over the kernel's).
 
-    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096]
+    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096] [--rows attention]
+
+`--rows` keeps the rows whose name contains one of the given words (e.g. `attention`, `bwd`,
+`decode`, `MoE`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ BF16 = torch.bfloat16
 
 
 def _row(name: str, stats, useful_flops: float, hbm_bytes: float, formula_s: float, target) -> None:
+    if stats is None:
+        return
     lat = stats.latency_s
     te = stats.engine_busy_s.get("tensor", 0.0) / lat
     useful = useful_flops / (target.peak_flops(BF16) * lat)
@@ -49,7 +54,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--rows", nargs="*", default=None, help="run only rows whose name contains one of these")
     a = ap.parse_args()
+
+    def wanted(name: str) -> bool:
+        return a.rows is None or any(w.lower() in name.lower() for w in a.rows)
+
+    def run(name: str, kernel, args: tuple, kwargs: dict):
+        """The kernel's timing-only stats, or None when the row is not wanted."""
+        return kernel.run(args, kwargs, target=target)[1] if wanted(name) else None
     target = TARGETS[a.target]
     print(describe())
     print(f"target {target.name}; timing-only simulations")
@@ -62,32 +75,42 @@ def main() -> None:
     f_bwd = model.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [sig] * 5, [sig] * 3, target)
     from torchneuron.kernels import pricing
     pricing.install()
-    _, st = fa.attention_fwd[1].run((q, q, q), {"scale": d ** -0.5}, target=target)
-    _row(f"attention fwd {s}x{d} bf16", st, fa.flops(1, s, s, d, False), 4 * s * d * 2, f_fwd.duration_s, target)
+    name = f"attention fwd {s}x{d} bf16"
+    _row(name, run(name, fa.attention_fwd[1], (q, q, q), {"scale": d ** -0.5}), fa.flops(1, s, s, d, False),
+         4 * s * d * 2, f_fwd.duration_s, target)
     lse = nt.tensor[(1, s, 1), torch.float32]
-    _, st = fa.attention_bwd[1].run((q, q, q, q, q, lse), {"scale": d ** -0.5}, target=target)
-    _row(f"attention bwd {s}x{d} bf16", st, fa.flops(1, s, s, d, False, backward=True), 8 * s * d * 2,
-         f_bwd.duration_s, target)
-    _, st = fa.attention_fwd[1].run((q, q, q), {"scale": d ** -0.5, "causal": True}, target=target)
-    _row(f"attention fwd {s}x{d} causal", st, fa.flops(1, s, s, d, True), 4 * s * d * 2, f_fwd.duration_s, target)
+    name = f"attention bwd {s}x{d} bf16"
+    _row(name, run(name, fa.attention_bwd[1], (q, q, q, q, q, lse), {"scale": d ** -0.5}),
+         fa.flops(1, s, s, d, False, backward=True), 8 * s * d * 2, f_bwd.duration_s, target)
+    name = f"attention fwd {s}x{d} causal"
+    _row(name, run(name, fa.attention_fwd[1], (q, q, q), {"scale": d ** -0.5, "causal": True}),
+         fa.flops(1, s, s, d, True), 4 * s * d * 2, f_fwd.duration_s, target)
+    d64, sig64 = 64, (BF16, (1, 1, s, 64))
+    f64 = model.op_cost("aten::_scaled_dot_product_flash_attention_for_cpu", [sig64] * 3, [sig64], target)
+    q64 = nt.tensor[(1, s, d64), BF16]
+    name = f"attention fwd {s}x{d64} bf16"
+    _row(name, run(name, fa.attention_fwd[1], (q64, q64, q64), {"scale": d64 ** -0.5}), fa.flops(1, s, s, d64, False),
+         4 * s * d64 * 2, f64.duration_s, target)
 
     b, ctx, hq, hk = a.batch, a.ctx, 32, 8
     for bs in (128, 256):  # vLLM's block size: a (block, head) K^T slab of 32 KB, then 64 KB
         maxb = ctx // bs
         args = (nt.tensor[(b, 1, hq, d), BF16], nt.tensor[(b * maxb, hk, 2 * bs, d), BF16],  # vLLM's paged layout
                 nt.tensor[(b, maxb), torch.int32], nt.tensor[(b, 1), torch.int32])
-        _, st = da.decode_attention[b].run(args, {"scale": d ** -0.5}, target=target)
+        name = f"decode attention {b}x{ctx} block {bs}"
+        st = run(name, da.decode_attention[b], args, {"scale": d ** -0.5})
         formula = model.paged_attention_cost([1] * b, [ctx] * b, heads=hq, kv_heads=hk, head_size=d, dtype=BF16,
                                              block_size=bs, target=target)
-        _row(f"decode attention {b}x{ctx} block {bs}", st, 4.0 * b * hq * ctx * d, da.cache_bytes(b, ctx, hk, d),
+        _row(name, st, 4.0 * b * hq * ctx * d, da.cache_bytes(b, ctx, hk, d),
              formula.duration_s, target)
 
     nb, kdim, n, e = 8, 4096, 2048, 8
     args = (nt.tensor[(nb * moe.BT, kdim), BF16], nt.tensor[(e, kdim, n), BF16], nt.tensor[(nb, 1), torch.int32])
-    _, st = moe.grouped_matmul.run(args, {}, target=target)
+    name = f"MoE grouped matmul {nb}x{moe.BT}x{kdim}x{n}"
+    st = run(name, moe.grouped_matmul, args, {})
     mm = model.op_cost("aten::bmm", [(BF16, (nb, moe.BT, kdim)), (BF16, (nb, kdim, n))], [(BF16, (nb, moe.BT, n))],
                        target)
-    _row(f"MoE grouped matmul {nb}x{moe.BT}x{kdim}x{n}", st, moe.grouped_flops(nb, kdim, n),
+    _row(name, st, moe.grouped_flops(nb, kdim, n),
          (nb * moe.BT * (kdim + n) + nb * kdim * n) * 2, mm.duration_s, target)
     print(f"(simulated in {time.perf_counter() - t0:.1f} s of host time)")
 

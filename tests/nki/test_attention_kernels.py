@@ -64,6 +64,50 @@ def test_attention_op_backward_matches_torch_sdpa(hq, hk, d, causal, window, dty
         assert err <= TOL[dtype] * 2, err
 
 
+
+
+@pytest.mark.parametrize("s,d,causal,window", [(1152, 96, True, 300), (640, 80, False, 200)])
+def test_attention_forward_over_several_query_groups_matches_torch_and_its_host_path(s, d, causal, window):
+    """Full groups of QGROUP query tiles and a partial one, K and V loaded in one or two
+    KBLOCKs; d = 96 carries the row-max shift in the contraction, d = 80 (no free partition
+    quadrant) by a rank-1 matmul."""
+    q, k, v = _qkv(1, 2, 1, s, d, torch.bfloat16, seed=5)
+    out, lse = fa.attention_fwd[2](q, k, v, d ** -0.5, causal, window)
+    ref, ref_lse = fa.reference(q, k, v, d ** -0.5, causal, window)
+    assert (out.float() - ref).abs().max().item() <= TOL[torch.bfloat16] * max(1.0, ref.abs().max().item())
+    assert (lse - ref_lse).abs().max().item() <= TOL[torch.bfloat16]
+    host_out, host_lse = fa.host_fwd(q, k, v, d ** -0.5, causal, window)
+    # same numerics: at most one bf16 rounding step apart (fp32 sums in another order)
+    assert (out.float() - host_out.float()).abs().max().item() <= 2 ** -7 * max(1.0, ref.abs().max().item())
+    assert (lse - host_lse).abs().max().item() <= 1e-5
+
+
+def test_attention_forward_rows_that_see_no_key_are_nan_as_softmax_makes_them():
+    """A window with fewer keys than queries leaves the last queries no key (whole query
+    tiles among them): those rows are NaN, lse -inf, as torch's softmax gives; the rest match."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, n, 64, generator=g).to(torch.bfloat16) for n in (512, 128, 128))
+    out, lse = fa.attention_fwd[1](q, k, v, 0.125, True, 64)
+    ref, ref_lse = fa.reference(q, k, v, 0.125, True, 64)
+    empty = ref.isnan().any(-1)
+    assert empty.any() and torch.equal(out.float().isnan().any(-1), empty)
+    assert torch.equal(lse[empty], ref_lse[empty])
+    assert (out.float() - ref)[~empty].abs().max().item() <= TOL[torch.bfloat16] * 2
+
+def test_attention_backward_kernel_over_several_key_groups_matches_its_host_path():
+    """1152 keys: two full groups of KGROUP key tiles and a partial one, residents loaded in
+    two KBLOCKs, causal with a window (some pairs masked, some skipped), GQA: the kernel
+    equals host_bwd."""
+    s, d, dtype = 1152, 64, torch.bfloat16
+    q, k, v = _qkv(1, 2, 1, s, d, dtype, seed=3)
+    o, lse = fa.host_fwd(q, k, v, d ** -0.5, True, 300)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = fa.attention_bwd[2](q, k, v, o, do, lse, d ** -0.5, True, 300)
+    want = fa.host_bwd(q, k, v, o, do, lse, d ** -0.5, True, 300)
+    for g, w in zip(got, want):
+        err = (g.float() - w.float()).abs().max().item() / max(1.0, w.float().abs().max().item())
+        assert err <= TOL[dtype], err
+
 def test_attention_op_traces_under_compile_with_its_fake_implementation():
     q = torch.randn(1, 2, 128, 64)
     f = torch.compile(lambda a: ops.attention(a, a, a, causal=True), backend="eager", fullgraph=True)
