@@ -276,6 +276,13 @@ def read_losses(dump: str | os.PathLike) -> list[dict]:
     raise RuntimeError(f"no rank wrote losses under {dump}")
 
 
+def _neuron_devices(environ: dict[str, str]) -> int:
+    # imported here: a rank runs this file as a script, and a CPU rank must not import torchneuron
+    from torchneuron.settings import Settings
+
+    return Settings.from_environ(environ).device_count
+
+
 def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float, env: dict[str, str] | None,
               log: Path | None = None) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -287,6 +294,9 @@ def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float
     environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, environ.get("PYTHONPATH", "")) if p)
     if device == "cpu":  # the reference is stock PyTorch: `import torch` must not load torchneuron either
         environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    elif _neuron_devices(environ) < nproc:
+        # torchtitan puts local rank r on device r: a process needs as many neuron devices as ranks
+        environ["TORCHNEURON_DEVICE_COUNT"] = str(nproc)
     result = subprocess.run(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=timeout)
     if log is not None:
