@@ -55,6 +55,19 @@ def test_presplit_microbatches_equal_the_whole_batch(one_rank_group, schedule_cl
         torch.testing.assert_close(got.grad.cpu(), want.grad.cpu(), rtol=0, atol=0)
 
 
+def test_presplit_eval_equals_the_whole_batch(one_rank_group):
+    """torchtitan's validator calls `eval(arg_mbs=..., target_mbs=...)`: forward only, no gradients."""
+    x, y = torch.randn(4, 8, device="neuron"), torch.randn(4, 8, device="neuron")
+    schedule, model = _schedule(Schedule1F1B, 1)
+    whole_losses: list[torch.Tensor] = []
+    schedule.eval(x, target=y, losses=whole_losses)
+    presplit_losses: list[torch.Tensor] = []
+    schedule.eval(arg_mbs=[(mb,) for mb in x.chunk(MICROBATCHES)], target_mbs=list(y.chunk(MICROBATCHES)),
+                  losses=presplit_losses)
+    torch.testing.assert_close(torch.stack(presplit_losses).cpu(), torch.stack(whole_losses).cpu(), rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_presplit_and_whole_batch_inputs_do_not_mix(one_rank_group):
     schedule, _ = _schedule(ScheduleGPipe, 1)
     x = torch.randn(4, 8, device="neuron")

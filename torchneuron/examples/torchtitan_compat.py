@@ -6,7 +6,8 @@ alike, so a newer torch runs torchtitan untouched.
 - Pre-split pipeline micro-batches: torchtitan's trainer calls
   `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...)`
   (torchtitan/trainer.py, `pp_forward_backward_step`; also components/validate.py), the
-  keyword-only API of pytorch/pytorch#188500, merged after the 2.13 branch cut. Torch 2.13's
+  keyword-only API of pytorch/pytorch#188500, merged after the 2.13 branch cut (`eval` too, which
+  2.13 implements through `step`). Torch 2.13's
   `step(*args, target=None, **kwargs)` takes whole batches: those keywords land among the model's
   kwargs and are split again ("Expecting 2 arg_mbs but got 1"). Its schedules already run lists of
   micro-batches (`_step_microbatches(arg_mbs, kwarg_mbs, target_mbs, ...)`, what `step` calls after
@@ -40,6 +41,8 @@ def _with_presplit_microbatches(whole_batch_step: Callable[..., Any]) -> Callabl
              target_mbs: list | None = None, **kwargs: Any) -> Any:
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
             return whole_batch_step(self, *args, **kwargs)
+        if kwargs.get("target", ()) is None:  # 2.13's `eval` passes target=None on
+            del kwargs["target"]
         mixed = sorted(set(kwargs) - _STEP_OPTIONS) + (["positional inputs"] if args else [])
         if mixed:
             raise TypeError(f"schedule.step: pre-split micro-batches ({', '.join(_PRESPLIT)}) cannot be mixed with "
