@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -65,8 +66,6 @@ def _with_presplit_microbatches(whole_batch_step: Callable[..., Any]) -> Callabl
 
 
 def _step_takes_presplit(step: Callable[..., Any]) -> bool:
-    import inspect
-
     return getattr(step, "presplit_backport", False) or "arg_mbs" in inspect.signature(step).parameters
 
 
