@@ -1,8 +1,8 @@
 """torchtitan 0.3.0's Llama-3 debug model (FlexAttention, selective activation checkpointing) trained
-by torchtitan's own trainer under torchrun on 2 neuron ranks with FSDP2 and TP: each run's losses
-and gradient norms equal the same run on CPU + gloo; a DCP checkpoint saved by 2 FSDP2 ranks resumes
-on 1 rank (neuron and CPU resume to the same loss); the loss compiled with backend "neuron" equals
-the eager CPU run. Every run starts from one seed checkpoint."""
+by torchtitan's own trainer under torchrun on 2 neuron ranks with FSDP2, TP and PP: each run's
+losses and gradient norms equal the same run on CPU + gloo; a DCP checkpoint saved by 2 FSDP2 ranks
+resumes on 1 rank (neuron and CPU resume to the same loss); the transformer blocks and the loss
+compiled with backend "neuron" equal the eager runs. Every run starts from one seed checkpoint."""
 from __future__ import annotations
 
 import shutil
@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(90
 
 FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
 TP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-# No PP: torchtitan 0.3.0 calls `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`, an API of
-# PyTorch after 2.13, whose schedules take whole batches and split them again ("Expecting 2 arg_mbs
-# but got 1") on any device.
+# 2 ranks, 4 stages (torchtitan's Interleaved1F1B), 2 micro-batches: torchtitan's pre-split
+# `schedule.step(arg_mbs=...)` runs on torch 2.13 through torchtitan_compat's backport.
+PP = torchtitan_llama.pipeline_args(2, pp=2)
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +34,15 @@ def run(folder, name, device, nproc, args):
                                    assets=folder / "assets")
 
 
-def assert_same_losses(neuron, cpu):
+def assert_same_losses(neuron, cpu, loss_rel=1e-4):
     assert [r["step"] for r in neuron] == [r["step"] for r in cpu] and neuron
     for n, c in zip(neuron, cpu):
         # bf16 parameters (FSDP2's mixed precision) round a few ULPs apart after the first update
-        assert n["loss"] == pytest.approx(c["loss"], rel=1e-4), (neuron, cpu)
+        assert n["loss"] == pytest.approx(c["loss"], rel=loss_rel), (neuron, cpu)
         assert n["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-3), (neuron, cpu)
 
 
-@pytest.mark.parametrize("name,args", [("fsdp", FSDP), ("tp", TP)], ids=["fsdp", "tp"])
+@pytest.mark.parametrize("name,args", [("fsdp", FSDP), ("tp", TP), ("pp", PP)], ids=["fsdp", "tp", "pp"])
 def test_two_ranks_match_cpu_gloo(folder, name, args):
     neuron = run(folder, name, "neuron", 2, args)
     assert [r["step"] for r in neuron] == [1, 2]
@@ -66,11 +66,18 @@ def test_dcp_checkpoint_of_two_ranks_resumes_on_one(folder):
     assert_same_losses(losses["neuron"], losses["cpu"])
 
 
-def test_compiled_loss_backend_neuron_matches_cpu_eager(folder):
-    """torchtitan's compile option with backend "neuron" on the loss (the FlexAttention model's
-    blocks: torchtitan accepts only "inductor"/"aot_eager" for them) equals the eager CPU run."""
-    compiled = run(folder, "compiled", "neuron", 2,
-                   FSDP + ["--compile.enable", "--compile.components", "loss", "--compile.backend", "neuron"])
-    cpu_dump = folder / "fsdp_cpu"
-    cpu = torchtitan_llama.read_losses(cpu_dump) if cpu_dump.exists() else run(folder, "fsdp", "cpu", 2, FSDP)
-    assert_same_losses(compiled, cpu)
+def test_compiled_blocks_backend_neuron_match_eager(folder):
+    """Each transformer block (FlexAttention, selective activation checkpointing inside) and the loss
+    compiled with backend "neuron", as torchtitan compiles them (`block.compile(fullgraph=True)`),
+    train to the losses of the eager neuron and the eager CPU + gloo runs."""
+    compiled = torchtitan_llama.launch(2, FSDP, device="neuron", dump=folder / "compiled_neuron",
+                                       assets=folder / "assets", compile=True)
+    assert [r["step"] for r in compiled] == [1, 2]
+    assert "Compiling each TransformerBlock" in (folder / "compiled_neuron" / "torchrun.log").read_text()
+    for device in ("neuron", "cpu"):
+        dump = folder / f"fsdp_{device}"
+        eager = torchtitan_llama.read_losses(dump) if dump.exists() else run(folder, "fsdp", device, 2, FSDP)
+        # Compiled code is not bit-equal to eager (norms, softmax and reductions sum in another order,
+        # compiler/eager_numerics.py), in bf16 compute (epsilon 3.9e-3): step 1's loss moves ~1.5e-5,
+        # after AdamW's first, sign-like update ~1.2e-4 (measured); a wrong graph moves it far more.
+        assert_same_losses(compiled, eager, loss_rel=1e-3)

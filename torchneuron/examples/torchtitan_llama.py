@@ -2,7 +2,8 @@
 
     python -m torchneuron.examples.torchtitan_llama --nproc 2                 # FSDP2 on 2 ranks
     python -m torchneuron.examples.torchtitan_llama --nproc 2 -- --parallelism.tensor_parallel_degree 2
-    python -m torchneuron.examples.torchtitan_llama --nproc 2 --compile      # the loss, backend "neuron"
+    python -m torchneuron.examples.torchtitan_llama --nproc 2 --pp 2          # pipeline: 2 ranks, 4 stages
+    python -m torchneuron.examples.torchtitan_llama --nproc 2 --compile      # blocks + loss, backend "neuron"
     python -m torchneuron.examples.torchtitan_llama --nproc 2 --device cpu   # the CPU + gloo reference
 
 Runs torchtitan's own trainer (`torchtitan.train.main`) unmodified on each rank, with the config
@@ -17,12 +18,14 @@ device start from the same weights and their losses can be compared.
 
 torchtitan has no CPU device (it falls back to "cuda" when no accelerator is found), so the
 reference run (`--device cpu`) points torchtitan's device module at `CpuDevice` before torchtitan
-is imported; torchtitan itself is not changed.
+is imported. torchtitan's code is not changed; two things around it are: the PyTorch APIs after
+2.13 it calls are backported onto 2.13's (torchtitan_compat.py: pipeline parallelism needs one),
+and its check that FlexAttention blocks compile only with inductor lets the backend "neuron"
+through (`_neuron_compiles_flex_blocks`).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -161,6 +164,24 @@ def _gloo_fsdp_sum_reduction() -> None:
     FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
 
 
+def _neuron_compiles_flex_blocks() -> None:
+    """Lets torchtitan's `--compile.backend neuron` compile the transformer blocks: for a model with
+    FlexAttention, torchtitan's `apply_compile` (torchtitan/distributed/compile.py) accepts only
+    "inductor", or "aot_eager" with the flex region scooped out to inductor, because another backend
+    would run FlexAttention as decomposed ATen ops with no fused kernel. The neuron compiler lowers
+    the flex_attention ops itself (torchneuron/compiler/flex_attention.py: the reference numerics,
+    priced as one NKI flash-attention kernel), so "neuron" passes through unchanged and each block
+    is compiled as torchtitan does it, `block.compile(backend="neuron", fullgraph=True)`."""
+    import torchtitan.distributed.compile as titan_compile
+
+    choose_backend = titan_compile._maybe_regional_inductor_backend
+
+    def maybe_regional_inductor_backend(model: torch.nn.Module, backend: str) -> object:
+        return backend if backend == "neuron" else choose_backend(model, backend)
+
+    titan_compile._maybe_regional_inductor_backend = maybe_regional_inductor_backend
+
+
 def _select_device(device: str) -> None:
     """Makes torchtitan's device `device` (call before any other torchtitan import)."""
     import torchtitan.tools.utils as titan_utils
@@ -175,26 +196,18 @@ def _select_device(device: str) -> None:
     # torchtitan compiles FlexAttention with torch.compile's default backend when its attention
     # module is imported (also in eager runs): on neuron tensors that is the neuron compiler.
     torch.compiler.set_default_backend("neuron")
+    _neuron_compiles_flex_blocks()
 
     if titan_utils.device_type != device:
         raise RuntimeError(f"torchtitan chose device {titan_utils.device_type!r}, not {device!r}: torchtitan was "
                            f"imported before torchneuron registered the device, or torch.{device} is unavailable")
 
 
-def _set_timeout(timeout: "datetime.timedelta", group: "torch.distributed.ProcessGroup | None" = None) -> None:
-    """`torch.distributed.set_timeout` of PyTorch after 2.13, which torchtitan 0.3.0 calls after the
-    first step: torch 2.13 has it as `distributed_c10d._set_pg_timeout`."""
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d._set_pg_timeout(timeout, group)
-
-
 def rank_main(device: str, titan_args: Sequence[str]) -> None:
     """One torchrun rank: chooses the device, then runs torchtitan's training entry point."""
-    import torch.distributed as dist
+    import torchtitan_compat  # beside this script, as torchtitan_config (see CONFIG)
 
-    if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = _set_timeout
+    torchtitan_compat.install()
     _select_device(device)
     from torchtitan import train
 
@@ -220,12 +233,25 @@ def launch(nproc: int, titan_args: Sequence[str], *, device: str = "neuron", dum
     assets = Path(assets) if assets is not None else dump.parent / "assets"
     args = _assets_args(assets, dump) + ["--checkpoint.enable", "--checkpoint.initial_load_path",
                                          str(seed_checkpoint(assets))]
-    if compile:  # the loss: for a FlexAttention model torchtitan compiles blocks with inductor/aot_eager only
-        args += ["--compile.enable", "--compile.components", "loss", "--compile.backend", "neuron"]
+    if compile:
+        if device != "neuron":
+            raise ValueError(f"compile=True compiles with the backend 'neuron', on neuron ranks only, not {device!r}: "
+                             "the CPU reference runs eager (PyTorch 2.13's inductor has no CPU FlexAttention backward)")
+        args += ["--compile.enable", "--compile.backend", "neuron"]  # components: the blocks and the loss
     for stale in dump.glob("losses_rank*.jsonl"):  # a resumed job appends to a fresh record
         stale.unlink()
     _torchrun(nproc, device, args + list(titan_args), timeout, env, log=dump / "torchrun.log")
     return read_losses(dump)
+
+
+def pipeline_args(nproc: int, pp: int) -> list[str]:
+    """torchtitan's arguments for `pp` pipeline stages a model replica, FSDP2 over the other ranks
+    (torchtitan splits the layers into stages itself: embeddings on the first, norm and output on the
+    last; the debug model's Interleaved1F1B schedule puts 2 stages on each rank, 4 for `pp=2`)."""
+    if pp < 1 or nproc % pp:
+        raise ValueError(f"--pp {pp} must divide the rank count {nproc} (each rank holds stages of one pipeline)")
+    return ["--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.data_parallel_shard_degree",
+            str(nproc // pp)]
 
 
 def seed_checkpoint(assets: Path, timeout: float = 600) -> Path:
@@ -250,6 +276,13 @@ def read_losses(dump: str | os.PathLike) -> list[dict]:
     raise RuntimeError(f"no rank wrote losses under {dump}")
 
 
+def _neuron_devices(environ: dict[str, str]) -> int:
+    # imported here: a rank runs this file as a script, and a CPU rank must not import torchneuron
+    from torchneuron.settings import Settings
+
+    return Settings.from_environ(environ).device_count
+
+
 def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float, env: dict[str, str] | None,
               log: Path | None = None) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -261,6 +294,9 @@ def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float
     environ["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, environ.get("PYTHONPATH", "")) if p)
     if device == "cpu":  # the reference is stock PyTorch: `import torch` must not load torchneuron either
         environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    elif _neuron_devices(environ) < nproc:
+        # torchtitan puts local rank r on device r: a process needs as many neuron devices as ranks
+        environ["TORCHNEURON_DEVICE_COUNT"] = str(nproc)
     result = subprocess.run(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=timeout)
     if log is not None:
@@ -278,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="neuron", choices=["neuron", "cpu"])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the loss with backend 'neuron'")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (the other ranks: FSDP2)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer block and the loss with backend 'neuron'")
     parser.add_argument("--folder", default="./outputs/torchtitan_llama", help="assets and job output")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # torchrun's ranks
     args = parser.parse_args(own)
@@ -286,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         rank_main(args.device, titan_args)
         return
     folder = Path(args.folder)
+    if args.pp > 1:
+        titan_args = pipeline_args(args.nproc, args.pp) + titan_args
     losses = launch(args.nproc, titan_args, device=args.device, dump=folder / f"{args.device}_{args.nproc}",
                     assets=folder / "assets", compile=args.compile)
     for record in losses:
