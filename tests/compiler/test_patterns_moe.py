@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from torchneuron.compiler import patterns, patterns_moe
+from torchneuron.hardware import estimate
 
 moe = pytest.importorskip("transformers.integrations.moe")
 
@@ -40,9 +41,14 @@ def test_compiled_experts_train_as_on_cpu(fresh_dynamo, monkeypatch, dtype):
         torch.nn.functional.silu(torch.ops.transformers.grouped_mm_fallback(cpu[0], cpu[1], offs)), cpu[2], offs) ** 2).sum()
     want.backward()
     dev = [t.to("neuron").requires_grad_() for t in (x, w_up, w_down)]
-    got = torch.compile(_experts, backend="neuron", fullgraph=True)(*dev, offs.to("neuron"))
-    got.backward()
+    with estimate("trn2") as modeled:
+        got = torch.compile(_experts, backend="neuron", fullgraph=True)(*dev, offs.to("neuron"))
+        got.backward()
     assert [c["grouped_mm"] for c in counts] == [2], counts
+    # each grouped matmul is charged once, as a kernel of its graph's plan (not also as an eager op):
+    # two in the forward graph, each one's two gradients in the backward graph
+    kernels = {row.name: row.count for row in modeled.per_op if "grouped_mm" in row.name}
+    assert all(name.startswith("nki_grouped_mm") for name in kernels) and sum(kernels.values()) == 6, kernels
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
     for mine, reference in zip(dev, cpu):
