@@ -5,12 +5,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from .zoo_checks import GROUPED_MM_FALLBACK, cases, check  # noqa: E402
+from .zoo_checks import cases, check  # noqa: E402
 
 SUBSETS = {"bf16": {"mamba2": False, "jamba": False}}
-XFAILS = {("jamba", "compiled"): GROUPED_MM_FALLBACK}
 
 
-@pytest.mark.parametrize("name,mode", cases("state-space", SUBSETS, XFAILS))
+@pytest.mark.parametrize("name,mode", cases("state-space", SUBSETS))
 def test_trains_and_generates_as_on_cpu(name, mode, record_property):
     check(name, mode, record_property)

@@ -5,13 +5,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from .zoo_checks import GROUPED_MM_FALLBACK, cases, check  # noqa: E402
+from .zoo_checks import cases, check  # noqa: E402
 
 SUBSETS = {"bf16": {"llama": False, "gemma3": False, "deepseek_v3": False}, "adaptive": {"qwen3": True},
            "compiled": {"llama": True, "qwen3": True, "gpt_oss": True}}
-XFAILS = {("gpt_oss", "compiled"): GROUPED_MM_FALLBACK, ("deepseek_v3", "compiled"): GROUPED_MM_FALLBACK}
 
 
-@pytest.mark.parametrize("name,mode", cases("text", SUBSETS, XFAILS))
+@pytest.mark.parametrize("name,mode", cases("text", SUBSETS))
 def test_trains_and_generates_as_on_cpu(name, mode, record_property):
     check(name, mode, record_property)

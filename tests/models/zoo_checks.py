@@ -41,14 +41,6 @@ LOSS_BF16, GRAD_BF16_MARGIN = dict(rel=2e-2, abs=2e-2), 3e-2
 # (marked slow and zoo_full: run with `pytest --zoo-full`, skipped otherwise; tests/conftest.py).
 # A model a mode's entry does not name runs that mode as FULL.
 FULL = "full"
-# Why the compiled MoE models (GPT-OSS, DeepSeek-V3, Jamba: transformers' grouped_mm experts in
-# float32) cannot train: an xfail reason. Not strict: in a full run GPT-OSS's case once passed after
-# other tests had run in the same process (state they leave, not yet identified), while alone it fails.
-GROUPED_MM_FALLBACK = (
-    "upstream: under torch.compile transformers routes non-bfloat16 MoE experts to its "
-    "transformers::grouped_mm_fallback custom op (integrations/moe.py, _can_use_grouped_mm), whose "
-    "registered backward reads offs.tolist(); AOTAutograd traces that backward with fake tensors and "
-    "raises DataDependentOutputException on aten._local_scalar_dense")
 
 
 def cases(family: str, subsets: dict[str, dict[str, bool | str]],
@@ -56,8 +48,7 @@ def cases(family: str, subsets: dict[str, dict[str, bool | str]],
     """pytest params (name, mode) for the `family`'s models, one per model and mode: eager runs by
     default; `subsets[mode]` names the models that run `mode` in the default run (True: marked
     slow), and every other model runs it as FULL (slow, only with --zoo-full). `xfails` maps
-    (name, mode) to the precise reason the case cannot pass (an xfail; not strict, see
-    GROUPED_MM_FALLBACK)."""
+    (name, mode) to the precise reason the case cannot pass (a strict xfail)."""
     params = []
     for name, spec in MODELS.items():
         if spec.family != family:
@@ -69,7 +60,7 @@ def cases(family: str, subsets: dict[str, dict[str, bool | str]],
             if runs == FULL:
                 marks.append(pytest.mark.zoo_full)
             if (name, mode) in (xfails or {}):
-                marks.append(pytest.mark.xfail(strict=False, reason=xfails[name, mode]))
+                marks.append(pytest.mark.xfail(strict=True, reason=xfails[name, mode]))
             params.append(pytest.param(name, mode, id=f"{name}-{mode}", marks=marks))
     return params
 

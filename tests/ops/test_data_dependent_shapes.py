@@ -1,5 +1,5 @@
 """Ops with data-dependent output shapes (nonzero, masked_select, argwhere, x[mask],
-nonzero(as_tuple=True)) run natively on the NeuronCore: no CPU fallback, accepted in strict mode,
+nonzero(as_tuple=True)) run natively on the NeuronCore in every dtype but complex: no CPU fallback, accepted in strict mode,
 results bit-equal to the CPU's in eager, adaptive eager and compiled mode (with unbacked SymInts
 and with a graph break), and priced by the performance model as a compaction kernel plus the
 count's read-back to the host."""
@@ -16,8 +16,9 @@ from torchneuron.hardware import model
 from torchneuron.hardware.estimate import estimate
 from torchneuron.hardware.targets import TARGETS
 
+# float64 too: a selection computes nothing in float64 (hardware.model.FP64_SELECTION_OPS)
 DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32)
+          torch.bfloat16, torch.float32, torch.float64)
 
 OPS = {
     "nonzero": lambda x, m: torch.nonzero(x),
@@ -204,6 +205,19 @@ def test_nonzero_scales_with_its_coordinates():
     flat = model.op_cost("aten::nonzero", [(torch.bool, (n,))], [(torch.int64, (n // 2, 1))], TRN2)
     four = model.op_cost("aten::nonzero", [(torch.bool, (16, 16, 128, 128))], [(torch.int64, (n // 2, 4))], TRN2)
     assert four.duration_s > 1.5 * flat.duration_s
+
+
+def test_float64_compaction_is_a_device_kernel_testing_words_not_a_host_fallback():
+    """float64 data is compacted on the device (its zero test is integer work on the two 32-bit
+    words of each element); complex data has no such kernel and stays a host fallback."""
+    n = 1 << 20
+    f32 = model.op_cost("aten::nonzero", [(torch.float32, (n,))], [(torch.int64, (n // 2, 1))], TRN2)
+    f64 = model.op_cost("aten::nonzero", [(torch.float64, (n,))], [(torch.int64, (n // 2, 1))], TRN2)
+    assert not f64.fallback and f64.engine == f32.engine and f64.duration_s > f32.duration_s
+    assert f64.bytes == f32.bytes + 4 * n  # the float64 input read once
+    assert not model.runs_on_host("aten::masked_select", [(torch.float64, (n,)), (torch.bool, (n,))], TRN2)
+    assert model.runs_on_host("aten::masked_select", [(torch.complex64, (n,)), (torch.bool, (n,))], TRN2)
+    assert model.op_cost("aten::nonzero", [(torch.complex64, (n,))], [(torch.int64, (n // 2, 1))], TRN2).fallback
 
 
 def test_eager_timeline_charges_the_device_kernel(strict):

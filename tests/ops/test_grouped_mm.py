@@ -96,6 +96,23 @@ def test_grouped_mm_forward_and_backward_match_cpu(case):
     torch.testing.assert_close(b_dev.grad.cpu(), b_cpu.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_grouped_mm_of_any_stride_zeroes_rows_past_the_last_group(dtype):
+    """Rows 7 floats wide (the CPU's kernel wants rows 16 bytes apart) and 2 rows no group covers
+    (PyTorch leaves them unspecified; zero on neuron), in the MoE forward and the K-split layout."""
+    gen = torch.Generator().manual_seed(3)
+    a, w = torch.randn(18, 7, generator=gen).to(dtype), torch.randn(4, 7, 5, generator=gen).to(dtype)
+    out = torch._grouped_mm(on(a), on(w), on(torch.tensor(OFFS, dtype=torch.int32))).cpu()
+    bounds = list(zip([0] + OFFS[:-1], OFFS))
+    want = torch.cat([a[s:e].float() @ w[i].float() for i, (s, e) in enumerate(bounds)] + [torch.zeros(2, 5)])
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]  # one rounding of the fp32 sum
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+    grad_w = torch._grouped_mm(on(a[:16].t()), on(torch.ones(16, 5, dtype=dtype)),
+                               on(torch.tensor(OFFS, dtype=torch.int32))).cpu()
+    want_w = torch.stack([a[s:e].float().t() @ torch.ones(e - s, 5) for s, e in bounds])
+    torch.testing.assert_close(grad_w.float(), want_w, rtol=tol, atol=tol)
+
+
 def _scales(a, b, offs):
     """Positive row-wise scales in `_scaled_grouped_mm`'s shapes for each layout."""
     gen = torch.Generator().manual_seed(2)

@@ -72,6 +72,7 @@ MATMUL = frozenset({"matmul"})
 NKI_KERNELS: dict[str, str] = {
     "torchneuron::flash_attention": "aten::_scaled_dot_product_flash_attention",
     "torchneuron::flash_attention_backward": "aten::_scaled_dot_product_flash_attention_backward",
+    "torchneuron::grouped_mm": "aten::_grouped_mm",  # patterns_moe.py: one grouped Tensor-engine kernel
 }
 
 

@@ -7,7 +7,8 @@ the NKI kernel supports the arguments, rewrites it into calls of an op from host
 Built in: `torch.nn.functional.scaled_dot_product_attention` (without dropout or grouped
 query attention, one head size for queries, keys and values, on float32/bfloat16/float16
 neuron tensors, with a causal flag or an
-additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`.
+additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`; transformers'
+MoE `transformers::grouped_mm_fallback` on neuron -> `torchneuron::grouped_mm` (patterns_moe.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from torchneuron.compiler import host_stand_ins  # noqa: F401  (defines the torchneuron:: ops)
+from torchneuron.compiler import patterns_moe
 
 FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -100,6 +102,7 @@ def _rewrite_flash_attention(node: Node) -> Node:
 
 SUBSTITUTIONS: list[Substitution] = [
     Substitution("flash_attention", _is_flash_attention, _rewrite_flash_attention),
+    Substitution("grouped_mm", patterns_moe.is_grouped_mm_fallback, patterns_moe.rewrite_grouped_mm_fallback),
 ]
 
 

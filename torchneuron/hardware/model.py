@@ -420,11 +420,26 @@ FP64_DIVISION_PASSES = 80
 FP64_CAST_PASSES = 8
 
 
+# Selections of float64 data (compactions and indexing) run on the device too: they compute nothing
+# in float64. The selected values move as bytes; nonzero's flags test each 64-bit element against
+# zero as two 32-bit integer words (the high word's sign bit cleared, -0.0 being zero; a NaN is
+# nonzero). Complex data stays a host fallback.
+FP64_SELECTION_OPS = frozenset({"nonzero", "masked_select", "argwhere", "nonzero_static", "index"})
+# Extra Vector passes a float64 element's zero test takes: clear the sign bit, OR the two words.
+FP64_ZERO_TEST_PASSES = 2
+
+
+def _has_fp64(sigs: Sequence[TensorSig]) -> bool:
+    return any(dtype == torch.float64 for dtype, _ in sigs) and not any(dtype.is_complex for dtype, _ in sigs)
+
+
 def _fp64_emulated(op: str, sigs: Sequence[TensorSig]) -> bool:
     name = base_name(op)
-    return ((name in FP64_EMULATED_OPS or name in DATA_MOVEMENT_OPS)
-            and any(dtype == torch.float64 for dtype, _ in sigs)
-            and not any(dtype.is_complex for dtype, _ in sigs))
+    return (name in FP64_EMULATED_OPS or name in DATA_MOVEMENT_OPS) and _has_fp64(sigs)
+
+
+def _fp64_selection(op: str, sigs: Sequence[TensorSig]) -> bool:
+    return base_name(op) in FP64_SELECTION_OPS and _has_fp64(sigs)
 
 
 def _fp64_passes(op: str, sigs: Sequence[TensorSig]) -> int:
@@ -670,7 +685,9 @@ def _compaction_work(target: Target, name: str, ins: Sequence[TensorSig], outs: 
     out_bytes = _total_bytes(outs)
     coordinates = outs[0][1][-1] if name in ("nonzero", "argwhere", "nonzero_static") and outs and len(outs[0][1]) == 2 else 1
     factor = _int64_factor(target, outs)
-    vector_s = _engine_passes(target, "vector", elements, 3)  # flags, scan, partition offsets
+    tests_fp64 = name in ("nonzero", "argwhere", "nonzero_static") and ins and ins[0][0] == torch.float64
+    zero_test = FP64_ZERO_TEST_PASSES if tests_fp64 else 0
+    vector_s = _engine_passes(target, "vector", elements, 3 + zero_test)  # flags, scan, partition offsets
     address_s = _engine_passes(target, "gpsimd", elements, (1 + 2 * coordinates) * factor)
     count_bytes = torch.int64.itemsize
     read = _total_bytes(ins)
@@ -974,8 +991,10 @@ def _runs_on_host(target: Target, sigs: Sequence[TensorSig]) -> bool:
 def runs_on_host(op: str, sigs: Sequence[TensorSig], target: Target | None = None) -> bool:
     """Whether an op with these (dtype, shape) operands is a host fallback for its dtypes: a dtype
     the NeuronCore has no type for (float64, complex) that is neither emulated float64 arithmetic
-    nor data movement. FP8 types a generation lacks run as cFP8 (trn1's e5m2)."""
-    return not _fp64_emulated(op, sigs) and _runs_on_host(target or get_target(), sigs)
+    nor data movement nor a selection (FP64_SELECTION_OPS). FP8 types a generation lacks run
+    as cFP8 (trn1's e5m2)."""
+    return (not _fp64_emulated(op, sigs) and not _fp64_selection(op, sigs)
+            and _runs_on_host(target or get_target(), sigs))
 
 
 def op_cost(op: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig],
@@ -995,7 +1014,7 @@ def op_cost(op: str, inputs: Sequence[TensorSig], outputs: Sequence[TensorSig],
     if cost is None:
         if not fallback and _fp64_emulated(op, inputs + outputs):
             cost = _fp64_emulated_cost(target, op, inputs, outputs)
-        elif fallback or _runs_on_host(target, inputs + outputs):
+        elif fallback or (_runs_on_host(target, inputs + outputs) and not _fp64_selection(op, inputs + outputs)):
             cost = _fallback_cost(target, inputs, outputs)
         else:
             cost = _device_cost(target, op, inputs, outputs)

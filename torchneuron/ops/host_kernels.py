@@ -7,7 +7,8 @@ Python functions over host views registered as the ops' PrivateUse1 kernels. `de
 wraps such a function so it behaves as any device op does: queued work runs first (adaptive
 eager), operands must share one neuron device, results land in fresh device memory, and the op
 is charged to the device timeline once, priced by the performance model under its aten name
-(so it runs on the modeled NeuronCore: not a CPU fallback, allowed in strict mode).
+(so it runs on the modeled NeuronCore: not a CPU fallback, allowed in strict mode), unless the
+work log is paused (inside a compiled graph, whose plan charges the op as one of its kernels).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 from torchneuron.hardware.model import TensorSig, launch_cost, op_cost
 from torchneuron.hardware.worklog import charge
-from torchneuron.runtime import _C, host_view
+from torchneuron.runtime import _C, host_view, worklog
 
 __all__ = ["check_on_meta", "device_kernel", "register"]
 
@@ -92,8 +93,9 @@ def device_kernel(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
 
             out = _map(result, to_device)
             outs = [t for t in _flatten(out) if isinstance(t, torch.Tensor)]
-            cost = op_cost(op, [_sig(t) for t in tensors if _neuron(t)], [_sig(t) for t in outs])
-            charge(op, dataclasses.replace(cost, duration_s=cost.duration_s + launch_cost()), device=device.index)
+            if worklog.is_enabled():  # paused: the op is part of work charged another way (a compiled plan)
+                cost = op_cost(op, [_sig(t) for t in tensors if _neuron(t)], [_sig(t) for t in outs])
+                charge(op, dataclasses.replace(cost, duration_s=cost.duration_s + launch_cost()), device=device.index)
             return out
 
         return kernel

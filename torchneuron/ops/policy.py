@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from torchneuron.hardware.model import DATA_MOVEMENT_OPS as _MOVEMENT, FP64_EMULATED_OPS
+from torchneuron.hardware.model import DATA_MOVEMENT_OPS as _MOVEMENT, FP64_EMULATED_OPS, FP64_SELECTION_OPS
 from torchneuron.runtime import _C
 from torchneuron.runtime.extension import runtime_ops
 
@@ -22,7 +22,8 @@ HOST_ONLY = _C.OP_POLICY["HOST_ONLY"]          # no NeuronCore implementation: r
 IMPLICIT_RNG = _C.OP_POLICY["IMPLICIT_RNG"]    # the CPU kernel draws from the default generator without an argument
 MIXED_DEVICES = _C.OP_POLICY["MIXED_DEVICES"]  # accepts CPU tensors beside neuron ones (as CUDA does for these ops)
 DATA_MOVEMENT = _C.OP_POLICY["DATA_MOVEMENT"]  # moves bytes only: any dtype is native (no FP64 arithmetic involved)
-FP64_EMULATED = _C.OP_POLICY["FP64_EMULATED"]  # float64 elementwise arithmetic emulated on the engines (hardware.model)
+# float64 (not complex) the engines handle: emulated elementwise arithmetic, selections (hardware.model)
+FP64_EMULATED = _C.OP_POLICY["FP64_EMULATED"]
 
 # Ops with no NeuronCore implementation in the real stack: dense linear-algebra factorisations,
 # FFTs, sorting-based data-dependent output shapes (unique) and host-side sampling/statistics.
@@ -68,7 +69,7 @@ def fallback_policy(name: str) -> int:
         policy |= MIXED_DEVICES
     if base in DATA_MOVEMENT_OPS:
         policy |= DATA_MOVEMENT
-    if base.removeprefix("aten::").removesuffix("_") in FP64_EMULATED_OPS:
+    if base.removeprefix("aten::").removesuffix("_") in FP64_EMULATED_OPS | FP64_SELECTION_OPS:
         policy |= FP64_EMULATED
     return policy
 

@@ -7,7 +7,9 @@ dtype. The kernels here compute exactly that on the host: the operands' FP8 valu
 float32, block scales expanded over the elements they scale, one float32 matmul, then the cast.
 
 - `_grouped_mm`: the CPU's own (composite) kernel, run as one device op, so the performance
-  model charges one grouped matmul on the Tensor engine instead of a host loop of launches.
+  model charges one grouped matmul on the Tensor engine instead of a host loop of launches. Any
+  strides (the CPU's kernel wants rows 16 bytes apart: other operands are copied so for it), and
+  rows or columns past the last group are zero.
 - `_scaled_grouped_mm` and `_scaled_grouped_mm_v2` (`F.scaled_grouped_mm`; no CPU kernels):
   row-wise float32 scales or MXFP8 (1x32 blocks of float8_e8m0fnu scales, 32_4_4-swizzled per
   group) for the four layouts PyTorch documents (2d x 3d forward, 3d x 3d, 3d x 2d, 2d x 2d with
@@ -39,10 +41,38 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 
 # ---- _grouped_mm ----------------------------------------------------------------------------
 
+def _rows_aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it whose rows (columns, if column-major) start 16 bytes apart: the CPU
+    kernel's rule (CUDA's too), not the NeuronCore's, whose DMA reads any stride."""
+    align = 16 // t.element_size()
+    lead = t.stride(-2) if t.stride(-1) == 1 else t.stride(-1)
+    if lead % align == 0:
+        return t
+    cols = t.shape[-1]
+    aligned = t.new_empty(*t.shape[:-1], -(-cols // align) * align)[..., :cols]
+    return aligned.copy_(t)
+
+
+def _zero_uncovered(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """Zeroes the rows (2d x 3d) or columns (3d x 2d) past the last group: PyTorch leaves them
+    unspecified (the CPU kernel leaves whatever memory held), transformers' fallback and the
+    backward of a masked MoE layer need zeros there."""
+    if offs is None or offs.numel() == 0 or a.dim() == b.dim():
+        return out
+    end = int(offs[-1])
+    if a.dim() == 2:
+        out[end:].zero_()
+    else:
+        out[..., end:].zero_()
+    return out
+
+
 @device_kernel("aten::_grouped_mm")
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs, bias, out_dtype)
+    """The CPU's grouped kernel on operands of any stride; rows past the last group are zero."""
+    out = torch._grouped_mm(_rows_aligned(a), _rows_aligned(b), offs, bias, out_dtype)
+    return _zero_uncovered(out, a, b, offs)
 
 
 # ---- _scaled_grouped_mm ---------------------------------------------------------------------
