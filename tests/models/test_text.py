@@ -7,8 +7,11 @@ pytest.importorskip("transformers")
 
 from .zoo_checks import cases, check  # noqa: E402
 
+# GPT-OSS compiled (transformers' MoE experts, now compiled through torchneuron::grouped_mm) takes
+# ~10 min on a loaded 2-core host: it runs with --zoo-full; tests/compiler/test_patterns_moe.py
+# covers the compiled experts in the default run.
 SUBSETS = {"bf16": {"llama": False, "gemma3": False, "deepseek_v3": False}, "adaptive": {"qwen3": True},
-           "compiled": {"llama": True, "qwen3": True, "gpt_oss": True}}
+           "compiled": {"llama": True, "qwen3": True}}
 
 
 @pytest.mark.parametrize("name,mode", cases("text", SUBSETS))
