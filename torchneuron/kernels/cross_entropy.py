@@ -1,0 +1,219 @@
+"""Cross-entropy of a linear head in NKI: loss = CE(h @ W^T, labels), the [tokens, vocab]
+logits never written to HBM. Forward and backward.
+
+- `linear_ce_fwd(h [T, D], w [V, D], labels [T, 1] int32) -> (loss [T, 1], lse [T, 1])` (fp32):
+  per token, lse = log sum_v exp(h . w_v) and loss = lse - h . w_label; a negative label (the
+  ignore index) gives loss 0.
+- `linear_ce_bwd(h, w, labels, lse, grad [T, 1] fp32) -> (dh [T, D], dw [V, D] fp32)`: with
+  dlogits = grad * (softmax - onehot(label)) (0 on ignored tokens), dh = dlogits @ W and
+  dw = dlogits^T @ h.
+
+T and D multiples of 128, any V, bf16 / fp16 / fp32 h and w of one dtype.
+
+Schedule: tokens go in blocks of up to `block_tiles(...)` 128-token tiles whose h^T (and, in
+backward, h and an fp32 dh accumulator) stay in SBUF; per block, the vocabulary streams
+through in chunks of 512: W^T [D, 512] is loaded once per block by one transposing DMA (and W
+itself in backward), each tile's logits chunk is D/128 matmuls into one PSUM bank. Forward
+keeps an online log-sum-exp per token (running max and rescaled sum, the Scalar engine's exp
+summing its row as it goes) and picks the label's logit with `range_select` (its row max is
+the label's logit when the label is in the chunk). Backward recomputes the chunk's logits,
+dlogits = grad * (exp(logits - lse) - onehot) in the input dtype, then dh += dlogits @ W
+(dlogits transposed 128 x 128 on the Tensor engine) and dW = dlogits^T @ h accumulated over the
+block's tiles in PSUM; blocks after the first add their dW into the fp32 result in HBM.
+"""
+from __future__ import annotations
+
+from .. import nki
+from ..nki import isa as nisa
+from ..nki import language as nl
+
+P = 128
+CHUNK = 512        # vocabulary entries per logits chunk (one fp32 PSUM bank)
+NEG = -3.0e38
+SBUF_BUDGET = 160 * 1024  # bytes a partition the token block and the W chunk may take
+
+
+class UnsupportedInput(ValueError):
+    """Operands the cross-entropy kernels do not take (the op falls back to the generic path)."""
+
+
+def check_shapes(h, w, labels, what: str) -> tuple[int, int, int]:
+    """(T, D, V) of the operands, or UnsupportedInput naming the kernel's constraint."""
+    if len(h.shape) != 2 or len(w.shape) != 2 or h.shape[1] != w.shape[1]:
+        raise UnsupportedInput(f"{what}: need h [T, D] and w [V, D]; got h {tuple(h.shape)}, w {tuple(w.shape)}")
+    t, d = h.shape
+    v = w.shape[0]
+    if t % P or d % P:
+        raise UnsupportedInput(f"{what}: tokens T={t} and hidden size D={d} must be multiples of {P}")
+    if tuple(labels.shape) != (t, 1):
+        raise UnsupportedInput(f"{what}: labels must be [T, 1] = [{t}, 1], got {tuple(labels.shape)}")
+    return t, d, v
+
+
+def _itemsize(dtype) -> int:
+    size = getattr(dtype, "itemsize", None)
+    return size if isinstance(size, int) else 4
+
+
+def block_tiles(t: int, d: int, itemsize: int, backward: bool) -> int:
+    """128-token tiles a block keeps in SBUF: h^T (and in backward h, dlogits and fp32 dh)
+    next to the streamed W chunk (W^T, and W in backward)."""
+    per_tile = d * itemsize + (d * (itemsize + 4) + CHUNK * itemsize if backward else 0)
+    w_chunk = (2 if backward else 1) * d * CHUNK // P * itemsize
+    if w_chunk + per_tile > SBUF_BUDGET:
+        raise UnsupportedInput(f"linear cross-entropy kernel: hidden size D={d} does not fit a W chunk and one "
+                               f"token tile in SBUF ({w_chunk + per_tile} B a partition; at most {SBUF_BUDGET})")
+    return max(1, min(t // P, (SBUF_BUDGET - w_chunk) // per_tile))
+
+
+def _load_transposed(src, row0: int, rows: int, d: int):
+    """src[row0:row0 + rows, :] transposed into SBUF as [128, D/128, rows] (one DMA: the
+    source rows are contiguous, the engine permutes them)."""
+    dst = nl.ndarray((P, d // P, rows), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=dst, src=src.ap([[d, rows], [P, d // P], [1, P]], offset=row0 * d))
+    return dst
+
+
+def _labels(labels, t0: int, nt: int):
+    """A block's labels as fp32 [128, nt] (label and label + 1: the bounds range_select keeps)."""
+    raw = nl.ndarray((P, nt), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw, src=labels.ap([[1, P], [P, nt]], offset=t0))
+    lo = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=lo, src=raw, engine=nisa.gpsimd_engine)
+    hi = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hi, data=lo, op0=nl.add, operand0=1.0, engine=nisa.gpsimd_engine)
+    valid = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=valid, data=lo, op0=nl.greater_equal, operand0=0.0, engine=nisa.gpsimd_engine)
+    return lo, hi, valid
+
+
+def _logits(h_t, w_t, ti: int, n: int, d: int):
+    """One 128-token tile's logits over a vocabulary chunk: [128, n] fp32 in PSUM."""
+    s_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum)
+    for c in range(d // P):
+        nisa.nc_matmul(dst=s_ps, stationary=h_t[:, c, ti * P:(ti + 1) * P], moving=w_t[:, c, 0:n])
+    return s_ps
+
+
+def _blocks(t: int, tiles: int) -> list[tuple[int, int]]:
+    return [(t0, min(tiles, (t - t0) // P)) for t0 in range(0, t, tiles * P)]
+
+
+@nki.jit
+def linear_ce_fwd(h, w, labels):
+    t, d, v = check_shapes(h, w, labels, "linear_ce_fwd")
+    loss = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    lse = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    for t0, nt in _blocks(t, block_tiles(t, d, _itemsize(h.dtype), backward=False)):
+        h_t = _load_transposed(h, t0, nt * P, d)
+        lo, hi, valid = _labels(labels, t0, nt)
+        m = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=m, value=NEG, engine=nisa.gpsimd_engine)
+        total = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=total, value=0.0, engine=nisa.gpsimd_engine)
+        target = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=target, value=NEG, engine=nisa.gpsimd_engine)
+        for v0 in range(0, v, CHUNK):
+            n = min(CHUNK, v - v0)
+            w_t = _load_transposed(w, v0, n, d)
+            for ti in range(nt):
+                s_ps = _logits(h_t, w_t, ti, n, d)
+                col = slice(ti, ti + 1)
+                picked = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.range_select(dst=picked, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                                  bound0=lo[:, col], bound1=hi[:, col], range_start=float(v0), on_false_value=NEG,
+                                  reduce_res=target[:, col], reduce_op=nl.maximum, reduce_cmd=nisa.reduce_cmd.reduce)
+                m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_reduce(dst=m_new, op=nl.maximum, data=s_ps, axis=1)
+                nisa.tensor_tensor(dst=m_new, data1=m_new, data2=m[:, col], op=nl.maximum)
+                neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=neg, data=m_new, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+                alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=alpha, op=nl.exp, data=m[:, col], bias=neg)
+                chunk_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                probs = nl.ndarray((P, n), dtype=h.dtype, buffer=nl.sbuf)
+                nisa.activation(dst=probs, op=nl.exp, data=s_ps, bias=neg, reduce_res=chunk_sum, reduce_op=nl.add)
+                nisa.scalar_tensor_tensor(dst=total[:, col], data=total[:, col], op0=nl.multiply, operand0=alpha,
+                                          op1=nl.add, operand1=chunk_sum)
+                nisa.tensor_copy(dst=m[:, col], src=m_new, engine=nisa.gpsimd_engine)
+        lse_sb = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=lse_sb, op=nl.log, data=total)
+        nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=m, op=nl.add)
+        loss_sb = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=loss_sb, data1=lse_sb, data2=target, op=nl.subtract)
+        nisa.tensor_tensor(dst=loss_sb, data1=loss_sb, data2=valid, op=nl.multiply)
+        nisa.dma_copy(dst=loss.ap([[1, P], [P, nt]], offset=t0), src=loss_sb)
+        nisa.dma_copy(dst=lse.ap([[1, P], [P, nt]], offset=t0), src=lse_sb)
+    return loss, lse
+
+
+@nki.jit
+def linear_ce_bwd(h, w, labels, lse, grad):
+    t, d, v = check_shapes(h, w, labels, "linear_ce_bwd")
+    dh = nl.ndarray((t, d), dtype=h.dtype, buffer=nl.shared_hbm)
+    dw = nl.ndarray((v, d), dtype=nl.float32, buffer=nl.shared_hbm)
+    dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
+    for block, (t0, nt) in enumerate(_blocks(t, block_tiles(t, d, _itemsize(h.dtype), backward=True))):
+        h_t = _load_transposed(h, t0, nt * P, d)
+        h_n = nl.ndarray((P, nt, d), dtype=h.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=h_n, src=h.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d))
+        lo, hi, valid = _labels(labels, t0, nt)
+        neg_lse = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=neg_lse, src=lse.ap([[1, P], [P, nt]], offset=t0))
+        nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+        g = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=g, src=grad.ap([[1, P], [P, nt]], offset=t0))
+        nisa.tensor_tensor(dst=g, data1=g, data2=valid, op=nl.multiply, engine=nisa.gpsimd_engine)
+        ones = nl.ndarray((P, CHUNK), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0, engine=nisa.gpsimd_engine)
+        dh_acc = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=dh_acc, value=0.0, engine=nisa.gpsimd_engine)
+        for v0 in range(0, v, CHUNK):
+            n = min(CHUNK, v - v0)
+            subs = [(j * P, min(n, (j + 1) * P)) for j in range((n + P - 1) // P)]
+            w_t = _load_transposed(w, v0, n, d)
+            w_n = nl.ndarray((P, len(subs), d), dtype=w.dtype, buffer=nl.sbuf)
+            for j, (a, b) in enumerate(subs):
+                nisa.dma_copy(dst=w_n[0:b - a, j, :], src=w[v0 + a:v0 + b, :])
+            dl = nl.ndarray((P, nt, CHUNK), dtype=h.dtype, buffer=nl.sbuf)
+            for ti in range(nt):
+                s_ps = _logits(h_t, w_t, ti, n, d)
+                col = slice(ti, ti + 1)
+                probs = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=probs, op=nl.exp, data=s_ps, bias=neg_lse[:, col])
+                onehot = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.range_select(dst=onehot, on_true_tile=ones[:, 0:n], comp_op0=nl.greater_equal, comp_op1=nl.less,
+                                  bound0=lo[:, col], bound1=hi[:, col], range_start=float(v0), on_false_value=0.0)
+                nisa.tensor_tensor(dst=probs, data1=probs, data2=onehot, op=nl.subtract, engine=nisa.gpsimd_engine)
+                nisa.tensor_scalar(dst=dl[:, ti, 0:n], data=probs, op0=nl.multiply, operand0=g[:, col],
+                                   engine=nisa.gpsimd_engine)
+                # dh[tile] += dlogits @ W_chunk: dlogits^T 128 vocabulary rows at a time is the stationary
+                dl_t = nl.ndarray((P, len(subs), P), dtype=h.dtype, buffer=nl.sbuf)
+                for j, (a, b) in enumerate(subs):
+                    tr = nl.ndarray((P, P), dtype=h.dtype, buffer=nl.psum)
+                    nisa.nc_transpose(dst=tr[0:b - a, :], data=dl[:, ti, a:b])
+                    nisa.tensor_copy(dst=dl_t[0:b - a, j, :], src=tr[0:b - a, :], engine=nisa.scalar_engine)
+                for c0, c1 in dchunks:
+                    acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
+                    for j, (a, b) in enumerate(subs):
+                        nisa.nc_matmul(dst=acc, stationary=dl_t[0:b - a, j, :], moving=w_n[0:b - a, j, c0:c1])
+                    nisa.tensor_tensor(dst=dh_acc[:, ti, c0:c1], data1=dh_acc[:, ti, c0:c1], data2=acc, op=nl.add)
+            # dW[chunk] = dlogits^T @ h over the block's tiles (PSUM accumulates over tiles)
+            for j, (a, b) in enumerate(subs):
+                for c0, c1 in dchunks:
+                    acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
+                    for ti in range(nt):
+                        nisa.nc_matmul(dst=acc[0:b - a, :], stationary=dl[:, ti, a:b], moving=h_n[:, ti, c0:c1])
+                    out = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.sbuf)
+                    rows = dw[v0 + a:v0 + b, c0:c1]
+                    if block == 0:
+                        nisa.activation(dst=out[0:b - a, :], op=nl.copy, data=acc[0:b - a, :])
+                    else:  # an earlier block's share is in HBM already
+                        nisa.dma_copy(dst=out[0:b - a, :], src=rows)
+                        nisa.tensor_tensor(dst=out[0:b - a, :], data1=out[0:b - a, :], data2=acc[0:b - a, :],
+                                           op=nl.add)
+                    nisa.dma_copy(dst=rows, src=out[0:b - a, :])
+        dh_out = nl.ndarray((P, nt, d), dtype=h.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=dh_out, src=dh_acc, engine=nisa.gpsimd_engine)
+        nisa.dma_copy(dst=dh.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d), src=dh_out)
+    return dh, dw
