@@ -217,3 +217,55 @@ def linear_ce_bwd(h, w, labels, lse, grad):
         nisa.tensor_copy(dst=dh_out, src=dh_acc, engine=nisa.gpsimd_engine)
         nisa.dma_copy(dst=dh.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d), src=dh_out)
     return dh, dw
+
+
+HOST_TOKENS = 2048  # tokens a host chunk: its fp32 logits are HOST_TOKENS x V
+
+
+def host_fwd(h, w, labels):
+    """linear_ce_fwd's results computed with torch on the host, the kernel's numerics: fp32
+    logits of the inputs' values, fp32 log-sum-exp; computed HOST_TOKENS tokens at a time."""
+    import torch
+    check_shapes(h, w, labels, "linear_ce_fwd")
+    wf = w.float()
+    losses, lses = [], []
+    for t0 in range(0, h.shape[0], HOST_TOKENS):
+        logits = h[t0:t0 + HOST_TOKENS].float() @ wf.T
+        label = labels[t0:t0 + HOST_TOKENS].long()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        picked = logits.gather(1, label.clamp(min=0))
+        losses.append(torch.where(label >= 0, lse - picked, 0.0))
+        lses.append(lse)
+    return torch.cat(losses), torch.cat(lses)
+
+
+def host_bwd(h, w, labels, lse, grad):
+    """linear_ce_bwd's results computed with torch on the host, the kernel's numerics:
+    dlogits rounded to the input dtype before both matmuls, fp32 accumulation."""
+    import torch
+    check_shapes(h, w, labels, "linear_ce_bwd")
+    wf = w.float()
+    dw = torch.zeros(w.shape, dtype=torch.float32)
+    dhs = []
+    for t0 in range(0, h.shape[0], HOST_TOKENS):
+        hf = h[t0:t0 + HOST_TOKENS].float()
+        label = labels[t0:t0 + HOST_TOKENS].long()
+        probs = torch.exp(hf @ wf.T - lse[t0:t0 + HOST_TOKENS])
+        probs.scatter_add_(1, label.clamp(min=0), torch.full_like(label, -1.0, dtype=torch.float32))
+        scale = torch.where(label >= 0, grad[t0:t0 + HOST_TOKENS], 0.0)
+        dlogits = (probs * scale).to(h.dtype).float()
+        dhs.append((dlogits @ wf).to(h.dtype))
+        dw += dlogits.T @ hf
+    return torch.cat(dhs), dw
+
+
+def flops(t: int, d: int, v: int, backward: bool = False) -> float:
+    """Useful matmul FLOPs: the logits (forward); their recomputation, dh and dW (backward)."""
+    return 2.0 * t * d * v * (3 if backward else 1)
+
+
+def hbm_bytes(t: int, d: int, v: int, itemsize: int, backward: bool = False) -> int:
+    """Bytes the op must move at least: h and W in (dh and the fp32 dW out in backward)."""
+    if backward:
+        return t * d * itemsize * 2 + v * d * (itemsize + 4)
+    return (t * d + v * d) * itemsize

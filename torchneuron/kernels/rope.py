@@ -3,8 +3,9 @@
 `rope(x [N, S, d], cos [C, S, d], sin [C, S, d])` returns x * cos + rotate_half(x) * sin with
 rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2]), as transformers' `apply_rotary_pos_emb`.
 N = B * H heads batch-major (row b * H + h), C = 1 (one table for every head) or B (a table
-per sequence, the heads of sequence b use table b). `backward=True` applies the inverse
-rotation (sin negated): the gradient of RoPE is RoPE with -sin.
+per sequence, the heads of sequence b use table b). `backward=True` applies the adjoint,
+g * cos - rotate_half(g * sin): the gradient (for RoPE's tables, whose halves repeat, it is
+RoPE with -sin, the inverse rotation).
 
 Schedule: tokens go to partitions in blocks (chunk of 128 * k tokens: token p * k + j on
 partition p), so each partition's share of a head is k * d contiguous elements in HBM and the
@@ -63,7 +64,10 @@ def rope(x, cos, sin, backward: bool = False):
     out = nl.ndarray((n, s, d), dtype=x.dtype, buffer=nl.shared_hbm)
     half = d // 2
     per_table = n // c
-    sign_lo = 1.0 if backward else -1.0  # rotate_half puts -x2 in the low half (the inverse: +x2)
+    # the table multiplying the swapped halves: forward cat(-sin1, sin2); backward (the adjoint,
+    # g cos - rotate_half(g sin)) cat(sin2, -sin1); both (dst lo, dst hi, source lo, sign)
+    signed_halves = ((0, half, half, 1.0), (half, d, 0, -1.0)) if backward else \
+        ((0, half, 0, -1.0), (half, d, half, 1.0))
     for t in range(c):
         for s0, rows, k in _chunks(s, d):
             tables = [nl.ndarray((P, 1, k, d), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]
@@ -72,8 +76,8 @@ def rope(x, cos, sin, backward: bool = False):
                                                             offset=(t * s + s0) * d))
             cos_t, sin_t = tables
             signed = nl.ndarray((P, 1, k, d), dtype=nl.float32, buffer=nl.sbuf)
-            for lo, hi, sign in ((0, half, sign_lo), (half, d, -sign_lo)):
-                nisa.tensor_scalar(dst=signed[0:rows, :, :, lo:hi], data=sin_t[0:rows, :, :, lo:hi],
+            for lo, hi, src_lo, sign in signed_halves:
+                nisa.tensor_scalar(dst=signed[0:rows, :, :, lo:hi], data=sin_t[0:rows, :, :, src_lo:src_lo + half],
                                    op0=nl.multiply, operand0=sign, engine=nisa.gpsimd_engine)
             g_max = max(1, FREE // (k * d))
             for h0 in range(0, per_table, g_max):
@@ -105,10 +109,11 @@ def host(x, cos, sin, backward: bool = False):
     n, s, d, c = check_shapes(x, cos, sin)
     xf = x.float().view(c, n // c, s, d)
     cf, sf = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    half = d // 2
     if backward:
-        sf = -sf
-    rotated = torch.cat((-xf[..., d // 2:], xf[..., :d // 2]), dim=-1)
-    return (xf * cf + rotated * sf).to(x.dtype).view(n, s, d)
+        scaled = xf * sf
+        return (xf * cf - torch.cat((-scaled[..., half:], scaled[..., :half]), dim=-1)).to(x.dtype).view(n, s, d)
+    return (xf * cf + torch.cat((-xf[..., half:], xf[..., :half]), dim=-1) * sf).to(x.dtype).view(n, s, d)
 
 
 def hbm_bytes(n: int, s: int, d: int, c: int, itemsize: int) -> int:
