@@ -121,6 +121,10 @@ class Settings:
         "`1` (experimental): a compiled graph's first calls run the graph with ATen kernels, charged as planned, "
         "until its C++ kernels finish building in the background (results can differ from the C++ kernels' in "
         "the last bits; default: the first call waits for the build)")
+    compile_rope_ce_kernels: bool = variable(
+        "TORCHNEURON_COMPILE_ROPE_CE_KERNELS", True,
+        "`0`: torch.compile leaves rotary embeddings and (linear +) cross-entropy as generic ops instead of "
+        "substituting NKI-lib's RoPE and fused linear cross-entropy kernels")
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")
