@@ -7,6 +7,8 @@ logits never written to HBM. Forward and backward.
 - `linear_ce_bwd(h, w, labels, lse, grad [T, 1] fp32) -> (dh [T, D], dw [V, D] fp32)`: with
   dlogits = grad * (softmax - onehot(label)) (0 on ignored tokens), dh = dlogits @ W and
   dw = dlogits^T @ h.
+- `ce_fwd(logits [T, V], labels)` / `ce_bwd(logits, labels, lse, grad)`: the same over logits
+  that exist already (one read forward; one read and one write of dlogits backward).
 
 T and D multiples of 128, any V, bf16 / fp16 / fp32 h and w of one dtype.
 
@@ -95,6 +97,79 @@ def _logits(h_t, w_t, ti: int, n: int, d: int):
     return s_ps
 
 
+def _lse_state(nt: int):
+    """Running max, rescaled sum and label logit of nt token tiles (online log-sum-exp)."""
+    state = []
+    for value in (NEG, 0.0, NEG):
+        tile = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=tile, value=value, engine=nisa.gpsimd_engine)
+        state.append(tile)
+    return tuple(state)
+
+
+def _online_step(s, col: slice, n: int, v0: int, labels_f, state, dtype) -> None:
+    """Folds a [128, n] chunk of logits (vocabulary v0..v0+n) into one tile's running state:
+    the label's logit (range_select keeps the label's column; its row max is that logit), the
+    new max, the old sum rescaled by exp(old max - new max) plus the chunk's sum of exps."""
+    lo, hi, _ = labels_f
+    m, total, target = state
+    picked = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=picked, on_true_tile=s, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                      bound0=lo[:, col], bound1=hi[:, col], range_start=float(v0), on_false_value=NEG,
+                      reduce_res=target[:, col], reduce_op=nl.maximum, reduce_cmd=nisa.reduce_cmd.reduce)
+    m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m_new, op=nl.maximum, data=s, axis=1)
+    nisa.tensor_tensor(dst=m_new, data1=m_new, data2=m[:, col], op=nl.maximum)
+    neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg, data=m_new, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+    alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha, op=nl.exp, data=m[:, col], bias=neg)
+    chunk_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    probs = nl.ndarray((P, n), dtype=dtype, buffer=nl.sbuf)
+    nisa.activation(dst=probs, op=nl.exp, data=s, bias=neg, reduce_res=chunk_sum, reduce_op=nl.add)
+    nisa.scalar_tensor_tensor(dst=total[:, col], data=total[:, col], op0=nl.multiply, operand0=alpha,
+                              op1=nl.add, operand1=chunk_sum)
+    nisa.tensor_copy(dst=m[:, col], src=m_new, engine=nisa.gpsimd_engine)
+
+
+def _store_loss(loss, lse, t0: int, nt: int, labels_f, state) -> None:
+    """lse = max + log(sum) and loss = (lse - label logit) * valid of nt tiles, to HBM."""
+    m, total, target = state
+    lse_sb = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lse_sb, op=nl.log, data=total)
+    nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=m, op=nl.add)
+    loss_sb = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=loss_sb, data1=lse_sb, data2=target, op=nl.subtract)
+    nisa.tensor_tensor(dst=loss_sb, data1=loss_sb, data2=labels_f[2], op=nl.multiply)
+    nisa.dma_copy(dst=loss.ap([[1, P], [P, nt]], offset=t0), src=loss_sb)
+    nisa.dma_copy(dst=lse.ap([[1, P], [P, nt]], offset=t0), src=lse_sb)
+
+
+def _grad_state(lse, grad, t0: int, nt: int, labels_f, width: int):
+    """-lse, the incoming gradient zeroed on ignored tokens, and a ones tile for the one-hot."""
+    neg_lse = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=neg_lse, src=lse.ap([[1, P], [P, nt]], offset=t0))
+    nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+    g = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=g, src=grad.ap([[1, P], [P, nt]], offset=t0))
+    nisa.tensor_tensor(dst=g, data1=g, data2=labels_f[2], op=nl.multiply, engine=nisa.gpsimd_engine)
+    ones = nl.ndarray((P, width), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0, engine=nisa.gpsimd_engine)
+    return neg_lse, g, ones
+
+
+def _dlogits(s, col: slice, n: int, v0: int, labels_f, neg_lse, g, ones, dst) -> None:
+    """dst = g * (exp(s - lse) - onehot(label)) for a [128, n] chunk of logits s."""
+    lo, hi, _ = labels_f
+    probs = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=probs, op=nl.exp, data=s, bias=neg_lse[:, col])
+    onehot = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.range_select(dst=onehot, on_true_tile=ones[:, 0:n], comp_op0=nl.greater_equal, comp_op1=nl.less,
+                      bound0=lo[:, col], bound1=hi[:, col], range_start=float(v0), on_false_value=0.0)
+    nisa.tensor_tensor(dst=probs, data1=probs, data2=onehot, op=nl.subtract, engine=nisa.gpsimd_engine)
+    nisa.tensor_scalar(dst=dst, data=probs, op0=nl.multiply, operand0=g[:, col], engine=nisa.gpsimd_engine)
+
+
 def _blocks(t: int, tiles: int) -> list[tuple[int, int]]:
     return [(t0, min(tiles, (t - t0) // P)) for t0 in range(0, t, tiles * P)]
 
@@ -106,44 +181,15 @@ def linear_ce_fwd(h, w, labels):
     lse = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     for t0, nt in _blocks(t, block_tiles(t, d, _itemsize(h.dtype), backward=False)):
         h_t = _load_transposed(h, t0, nt * P, d)
-        lo, hi, valid = _labels(labels, t0, nt)
-        m = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=m, value=NEG, engine=nisa.gpsimd_engine)
-        total = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=total, value=0.0, engine=nisa.gpsimd_engine)
-        target = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=target, value=NEG, engine=nisa.gpsimd_engine)
+        labels_f = _labels(labels, t0, nt)
+        m, total, target = _lse_state(nt)
         for v0 in range(0, v, CHUNK):
             n = min(CHUNK, v - v0)
             w_t = _load_transposed(w, v0, n, d)
             for ti in range(nt):
                 s_ps = _logits(h_t, w_t, ti, n, d)
-                col = slice(ti, ti + 1)
-                picked = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.range_select(dst=picked, on_true_tile=s_ps, comp_op0=nl.greater_equal, comp_op1=nl.less,
-                                  bound0=lo[:, col], bound1=hi[:, col], range_start=float(v0), on_false_value=NEG,
-                                  reduce_res=target[:, col], reduce_op=nl.maximum, reduce_cmd=nisa.reduce_cmd.reduce)
-                m_new = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_reduce(dst=m_new, op=nl.maximum, data=s_ps, axis=1)
-                nisa.tensor_tensor(dst=m_new, data1=m_new, data2=m[:, col], op=nl.maximum)
-                neg = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=neg, data=m_new, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
-                alpha = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=alpha, op=nl.exp, data=m[:, col], bias=neg)
-                chunk_sum = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-                probs = nl.ndarray((P, n), dtype=h.dtype, buffer=nl.sbuf)
-                nisa.activation(dst=probs, op=nl.exp, data=s_ps, bias=neg, reduce_res=chunk_sum, reduce_op=nl.add)
-                nisa.scalar_tensor_tensor(dst=total[:, col], data=total[:, col], op0=nl.multiply, operand0=alpha,
-                                          op1=nl.add, operand1=chunk_sum)
-                nisa.tensor_copy(dst=m[:, col], src=m_new, engine=nisa.gpsimd_engine)
-        lse_sb = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=lse_sb, op=nl.log, data=total)
-        nisa.tensor_tensor(dst=lse_sb, data1=lse_sb, data2=m, op=nl.add)
-        loss_sb = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=loss_sb, data1=lse_sb, data2=target, op=nl.subtract)
-        nisa.tensor_tensor(dst=loss_sb, data1=loss_sb, data2=valid, op=nl.multiply)
-        nisa.dma_copy(dst=loss.ap([[1, P], [P, nt]], offset=t0), src=loss_sb)
-        nisa.dma_copy(dst=lse.ap([[1, P], [P, nt]], offset=t0), src=lse_sb)
+                _online_step(s_ps, slice(ti, ti + 1), n, v0, labels_f, (m, total, target), h.dtype)
+        _store_loss(loss, lse, t0, nt, labels_f, (m, total, target))
     return loss, lse
 
 
@@ -157,15 +203,8 @@ def linear_ce_bwd(h, w, labels, lse, grad):
         h_t = _load_transposed(h, t0, nt * P, d)
         h_n = nl.ndarray((P, nt, d), dtype=h.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=h_n, src=h.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d))
-        lo, hi, valid = _labels(labels, t0, nt)
-        neg_lse = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=neg_lse, src=lse.ap([[1, P], [P, nt]], offset=t0))
-        nisa.tensor_scalar(dst=neg_lse, data=neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
-        g = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=g, src=grad.ap([[1, P], [P, nt]], offset=t0))
-        nisa.tensor_tensor(dst=g, data1=g, data2=valid, op=nl.multiply, engine=nisa.gpsimd_engine)
-        ones = nl.ndarray((P, CHUNK), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=ones, value=1.0, engine=nisa.gpsimd_engine)
+        labels_f = _labels(labels, t0, nt)
+        neg_lse, g, ones = _grad_state(lse, grad, t0, nt, labels_f, CHUNK)
         dh_acc = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=dh_acc, value=0.0, engine=nisa.gpsimd_engine)
         for v0 in range(0, v, CHUNK):
@@ -178,15 +217,7 @@ def linear_ce_bwd(h, w, labels, lse, grad):
             dl = nl.ndarray((P, nt, CHUNK), dtype=h.dtype, buffer=nl.sbuf)
             for ti in range(nt):
                 s_ps = _logits(h_t, w_t, ti, n, d)
-                col = slice(ti, ti + 1)
-                probs = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.activation(dst=probs, op=nl.exp, data=s_ps, bias=neg_lse[:, col])
-                onehot = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.range_select(dst=onehot, on_true_tile=ones[:, 0:n], comp_op0=nl.greater_equal, comp_op1=nl.less,
-                                  bound0=lo[:, col], bound1=hi[:, col], range_start=float(v0), on_false_value=0.0)
-                nisa.tensor_tensor(dst=probs, data1=probs, data2=onehot, op=nl.subtract, engine=nisa.gpsimd_engine)
-                nisa.tensor_scalar(dst=dl[:, ti, 0:n], data=probs, op0=nl.multiply, operand0=g[:, col],
-                                   engine=nisa.gpsimd_engine)
+                _dlogits(s_ps, slice(ti, ti + 1), n, v0, labels_f, neg_lse, g, ones, dl[:, ti, 0:n])
                 # dh[tile] += dlogits @ W_chunk: dlogits^T 128 vocabulary rows at a time is the stationary
                 dl_t = nl.ndarray((P, len(subs), P), dtype=h.dtype, buffer=nl.sbuf)
                 for j, (a, b) in enumerate(subs):
@@ -219,6 +250,58 @@ def linear_ce_bwd(h, w, labels, lse, grad):
     return dh, dw
 
 
+
+LOGITS_CHUNK = 2048  # vocabulary entries a chunk of the logits-input kernels
+
+
+def check_logits(logits, labels, what: str) -> tuple[int, int]:
+    """(T, V) of the logits-input kernels' operands, or UnsupportedInput naming the constraint."""
+    if len(logits.shape) != 2 or logits.shape[0] % P or tuple(labels.shape) != (logits.shape[0], 1):
+        raise UnsupportedInput(f"{what}: need logits [T, V] with T a multiple of {P} and labels [T, 1]; got "
+                               f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}")
+    return logits.shape[0], logits.shape[1]
+
+
+def _logits_chunks(v: int) -> list[tuple[int, int]]:
+    return [(v0, min(LOGITS_CHUNK, v - v0)) for v0 in range(0, v, LOGITS_CHUNK)]
+
+
+@nki.jit
+def ce_fwd(logits, labels):
+    """Cross-entropy of given logits [T, V]: (loss [T, 1], lse [T, 1]) fp32, one read of the
+    logits (chunks of LOGITS_CHUNK through the same online log-sum-exp as linear_ce_fwd)."""
+    t, v = check_logits(logits, labels, "ce_fwd")
+    loss = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    lse = nl.ndarray((t, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    for t0 in range(0, t, P):
+        labels_f = _labels(labels, t0, 1)
+        state = _lse_state(1)
+        for v0, n in _logits_chunks(v):
+            s = nl.ndarray((P, n), dtype=logits.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=s, src=logits[t0:t0 + P, v0:v0 + n])
+            _online_step(s, slice(0, 1), n, v0, labels_f, state, logits.dtype)
+        _store_loss(loss, lse, t0, 1, labels_f, state)
+    return loss, lse
+
+
+@nki.jit
+def ce_bwd(logits, labels, lse, grad):
+    """Gradient of ce_fwd's loss: grad * (softmax(logits) - onehot(label)) [T, V] in the logits'
+    dtype (0 on ignored tokens): one read of the logits, one write."""
+    t, v = check_logits(logits, labels, "ce_bwd")
+    dlogits = nl.ndarray((t, v), dtype=logits.dtype, buffer=nl.shared_hbm)
+    for t0 in range(0, t, P):
+        labels_f = _labels(labels, t0, 1)
+        neg_lse, g, ones = _grad_state(lse, grad, t0, 1, labels_f, min(v, LOGITS_CHUNK))
+        for v0, n in _logits_chunks(v):
+            s = nl.ndarray((P, n), dtype=logits.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=s, src=logits[t0:t0 + P, v0:v0 + n])
+            out = nl.ndarray((P, n), dtype=logits.dtype, buffer=nl.sbuf)
+            _dlogits(s, slice(0, 1), n, v0, labels_f, neg_lse, g, ones, out)
+            nisa.dma_copy(dst=dlogits[t0:t0 + P, v0:v0 + n], src=out)
+    return dlogits
+
+
 HOST_TOKENS = 2048  # tokens a host chunk: its fp32 logits are HOST_TOKENS x V
 
 
@@ -245,7 +328,7 @@ def host_bwd(h, w, labels, lse, grad):
     import torch
     check_shapes(h, w, labels, "linear_ce_bwd")
     wf = w.float()
-    dw = torch.zeros(w.shape, dtype=torch.float32)
+    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     dhs = []
     for t0 in range(0, h.shape[0], HOST_TOKENS):
         hf = h[t0:t0 + HOST_TOKENS].float()
@@ -269,3 +352,23 @@ def hbm_bytes(t: int, d: int, v: int, itemsize: int, backward: bool = False) -> 
     if backward:
         return t * d * itemsize * 2 + v * d * (itemsize + 4)
     return (t * d + v * d) * itemsize
+
+
+def host_ce_fwd(logits, labels):
+    """ce_fwd's results computed with torch on the host (fp32 log-sum-exp)."""
+    import torch
+    check_logits(logits, labels, "ce_fwd")
+    x = logits.float()
+    label = labels.long()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    return torch.where(label >= 0, lse - x.gather(1, label.clamp(min=0)), 0.0), lse
+
+
+def host_ce_bwd(logits, labels, lse, grad):
+    """ce_bwd's result computed with torch on the host (fp32, rounded once to the logits' dtype)."""
+    import torch
+    check_logits(logits, labels, "ce_bwd")
+    label = labels.long()
+    probs = torch.exp(logits.float() - lse)
+    probs = probs - torch.nn.functional.one_hot(label.clamp(min=0).view(-1), logits.shape[1]).to(probs.dtype)
+    return (probs * torch.where(label >= 0, grad, 0.0)).to(logits.dtype)

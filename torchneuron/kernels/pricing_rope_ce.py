@@ -1,14 +1,16 @@
 """Device time of the RoPE and linear cross-entropy ops from their NKI kernels' simulated latency.
 
 `install()` registers pricers for the performance model's categories "nki_rope"
-(`nki_kernels::rope`) and "nki_linear_cross_entropy" (`nki_kernels::linear_ce_fwd` / `_bwd`), so
+(`nki_kernels::rope`) and "nki_linear_cross_entropy" (`nki_kernels::linear_ce_fwd` / `_bwd`, `ce_fwd` / `ce_bwd`), so
 the ops, in eager mode and in compiled graphs, are charged what `rope.rope` and
 `cross_entropy.linear_ce_fwd` / `linear_ce_bwd` take on the modeled NeuronCore. Kernels run
 timing-only (typed placeholders), cached per shape, dtype and target. Problems too large to
 simulate whole are extended linearly from two smaller runs (assumptions):
 - RoPE: head groups are alike (same instructions on the same tables): linear in the heads
   past two full instruction groups a table;
-- cross-entropy: 512-entry vocabulary chunks are alike: linear in the vocabulary past
+- cross-entropy over given logits (`ce_fwd` / `ce_bwd`): 128-token tiles are alike: linear in
+  the tiles past `CE_LOGITS_FIT_TILES`;
+- linear cross-entropy: 512-entry vocabulary chunks are alike: linear in the vocabulary past
   `CE_FIT_VOCAB`; token blocks are alike: linear in the tokens past two blocks (the block's
   W streaming included in both fits).
 Operands the kernels refuse return None and keep the formula's price.
@@ -29,6 +31,7 @@ from . import rope as rp
 ROPE_SIM_ELEMENTS = 1 << 26   # x elements up to which RoPE is simulated whole
 CE_SIM_TILES = 4096           # (token tiles x vocabulary chunks x D / 128) simulated whole
 CE_FIT_VOCAB = (2048, 4096)
+CE_LOGITS_FIT_TILES = (4, 8)  # token tiles of the logits-input kernels' fits
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -91,9 +94,31 @@ def ce_kernel_seconds(target: Target, backward: bool, t: int, d: int, v: int, dt
     return _extend(lambda tokens: at(tokens, v), t, block, 2 * block)
 
 
+@functools.lru_cache(maxsize=256)
+def ce_logits_kernel_seconds(target: Target, backward: bool, t: int, v: int, dtype: torch.dtype) -> float:
+    """Modeled latency of ce_fwd / ce_bwd over logits [t, v]: 128-token tiles are alike, so
+    linear in the tiles past CE_LOGITS_FIT_TILES."""
+    def run(tokens: int) -> float:
+        args = (nt.tensor[(tokens, v), dtype], nt.tensor[(tokens, 1), torch.int32])
+        if backward:
+            args += (nt.tensor[(tokens, 1), torch.float32], nt.tensor[(tokens, 1), torch.float32])
+        return (ce.ce_bwd if backward else ce.ce_fwd).run(args, {}, target=target)[1].latency_s
+    fit1, fit2 = (tiles * ce.P for tiles in CE_LOGITS_FIT_TILES)
+    return _extend(run, t, fit1, fit2)
+
+
 def linear_ce_seconds(target: Target, name: str, ins: Sequence, outs: Sequence) -> float | None:
-    """The pricer of `nki_kernels::linear_ce_fwd(h, w, labels)` and `linear_ce_bwd(h, w, labels,
-    lse, grad)`: None for operands the kernels refuse."""
+    """The pricer of `nki_kernels::linear_ce_fwd(h, w, labels)`, `linear_ce_bwd(h, w, labels,
+    lse, grad)` and of `ce_fwd(logits, labels)`, `ce_bwd(logits, labels, lse, grad)`: None for
+    operands the kernels refuse."""
+    if name in ("ce_fwd", "ce_bwd"):
+        if len(ins) < 2 or ins[0][0] not in _FLOATS:
+            return None
+        try:
+            t, v = ce.check_logits(*(nt.tensor[shape, dtype] for dtype, shape in ins[:2]), what=name)
+        except ValueError:
+            return None
+        return ce_logits_kernel_seconds(target, name == "ce_bwd", t, v, ins[0][0])
     if len(ins) < 3 or ins[0][0] not in _FLOATS or ins[1][0] != ins[0][0]:
         return None
     try:

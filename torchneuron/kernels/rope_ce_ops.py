@@ -6,6 +6,9 @@
 - `linear_cross_entropy(h, w, labels, ignore_index, reduction)`: cross_entropy(h @ w^T, labels)
   without materialising the logits; gradients for h and w. Ops: `nki_kernels::linear_ce_fwd`,
   `nki_kernels::linear_ce_bwd`.
+- `cross_entropy(logits, labels, ignore_index, reduction)`: F.cross_entropy over given [T, V]
+  logits (one read forward, one read and one write backward). Ops: `nki_kernels::ce_fwd`,
+  `nki_kernels::ce_bwd`.
 
 Each op computes with its kernel's host path (its numerics: fp32 arithmetic, one rounding)
 unless NKI_SIMULATOR=1, and on neuron tensors is charged the kernel's simulated latency
@@ -31,6 +34,8 @@ linear_ce_fwd_op = nki_op("nki_kernels::linear_ce_fwd", ce.linear_ce_fwd, num_ou
                           priced_as="nki_kernels::linear_ce_fwd")
 linear_ce_bwd_op = nki_op("nki_kernels::linear_ce_bwd", ce.linear_ce_bwd, num_outputs=2, host=ce.host_bwd,
                           priced_as="nki_kernels::linear_ce_bwd")
+ce_fwd_op = nki_op("nki_kernels::ce_fwd", ce.ce_fwd, num_outputs=2, host=ce.host_ce_fwd, priced_as="nki_kernels::ce_fwd")
+ce_bwd_op = nki_op("nki_kernels::ce_bwd", ce.ce_bwd, host=ce.host_ce_bwd, priced_as="nki_kernels::ce_bwd")
 
 
 def _rope_setup(ctx, inputs, output) -> None:
@@ -59,6 +64,19 @@ def _linear_ce_backward(ctx, grad_loss, grad_lse):
 
 
 register_autograd(linear_ce_fwd_op, _linear_ce_backward, setup_context=_linear_ce_setup)
+
+
+def _ce_setup(ctx, inputs, output) -> None:
+    logits, labels = inputs
+    ctx.save_for_backward(logits, labels, output[1])
+
+
+def _ce_backward(ctx, grad_loss, grad_lse):
+    logits, labels, lse = ctx.saved_tensors
+    return ce_bwd_op(logits, labels, lse, grad_loss.float().contiguous()), None
+
+
+register_autograd(ce_fwd_op, _ce_backward, setup_context=_ce_setup)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -103,16 +121,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rope_op(x.reshape(b * h, s, d).contiguous(), cos3, sin3).view(b, h, s, d)
 
 
-def _check_linear_ce(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+def _check_linear_ce(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> None:
     if h.dtype not in FLOAT_TYPES or w.dtype != h.dtype:
         raise ce.UnsupportedInput(f"linear cross-entropy kernel: h and w must share one of float32/bfloat16/"
                                   f"float16, got {h.dtype} and {w.dtype}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.shape != h.shape[:-1]:
-        raise ce.UnsupportedInput(f"linear cross-entropy kernel: labels must be integer class indices shaped "
-                                  f"like h without its last dimension {tuple(h.shape[:-1])}, got {labels.dtype} "
-                                  f"{tuple(labels.shape)}")
+    _check_labels(labels, h.shape[:-1], "linear cross-entropy kernel")
     ce.check_shapes(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1, 1), "linear cross-entropy kernel")
     ce.block_tiles(labels.numel(), h.shape[-1], h.dtype.itemsize, backward=True)
 
@@ -122,17 +135,59 @@ def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
     """F.cross_entropy(h @ w^T, labels, ignore_index=..., reduction=...) over h [..., D], w [V, D]
     and labels [...], with the fused NKI kernels: the [tokens, V] logits never exist whole.
     The number of tokens and D must be multiples of 128 (else the generic computation, module doc)."""
+    _check_reduction(reduction)
     try:
-        _check_linear_ce(h, w, labels, reduction)
+        _check_linear_ce(h, w, labels)
     except ce.UnsupportedInput as error:
         fallback_once(error)
         logits = F.linear(h, w).float()
         return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
                                reduction=reduction).view(labels.shape if reduction == "none" else ())
-    flat = labels.reshape(-1, 1)
-    kernel_labels = torch.where(flat == ignore_index, -1, flat).to(torch.int32)
+    kernel_labels = _kernel_labels(labels, ignore_index)
     per_token, _ = linear_ce_fwd_op(h.reshape(-1, h.shape[-1]).contiguous(), w.contiguous(), kernel_labels)
+    return _reduce(per_token, kernel_labels, labels.shape, reduction)
+
+
+def _kernel_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """labels as the kernels' [T, 1] int32, the ignored ones -1."""
+    flat = labels.reshape(-1, 1)
+    return torch.where(flat == ignore_index, -1, flat).to(torch.int32)
+
+
+def _reduce(per_token: torch.Tensor, kernel_labels: torch.Tensor, shape: torch.Size, reduction: str) -> torch.Tensor:
+    """F.cross_entropy's reduction of per-token losses (ignored tokens: 0, not counted by mean)."""
     if reduction == "none":
-        return per_token.view(labels.shape)
+        return per_token.view(shape)
     total = per_token.sum()
     return total if reduction == "sum" else total / (kernel_labels >= 0).sum()
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross-entropy kernels: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _check_labels(labels: torch.Tensor, shape: torch.Size, what: str) -> None:
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.shape != shape:
+        raise ce.UnsupportedInput(f"{what}: labels must be integer class indices shaped {tuple(shape)}, got "
+                                  f"{labels.dtype} {tuple(labels.shape)}")
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "mean") -> torch.Tensor:
+    """F.cross_entropy(logits [T, V], labels [T], ignore_index=..., reduction=...) with the NKI
+    cross-entropy kernels over given logits (fp32 log-sum-exp; T a multiple of 128, else the
+    generic computation, module doc)."""
+    _check_reduction(reduction)
+    try:
+        if logits.dtype not in FLOAT_TYPES or logits.dim() != 2:
+            raise ce.UnsupportedInput(f"cross-entropy kernel: logits must be [T, V] float32/bfloat16/float16, got "
+                                      f"{logits.dtype} {tuple(logits.shape)}")
+        _check_labels(labels, logits.shape[:1], "cross-entropy kernel")
+        ce.check_logits(logits, labels.reshape(-1, 1), "cross-entropy kernel")
+    except ce.UnsupportedInput as error:
+        fallback_once(error)
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+    kernel_labels = _kernel_labels(labels, ignore_index)
+    per_token, _ = ce_fwd_op(logits.contiguous(), kernel_labels)
+    return _reduce(per_token, kernel_labels, labels.shape, reduction).to(logits.dtype)
