@@ -7,7 +7,8 @@ the NKI kernel supports the arguments, rewrites it into calls of an op from host
 Built in: `torch.nn.functional.scaled_dot_product_attention` (without dropout or grouped
 query attention, one head size for queries, keys and values, on float32/bfloat16/float16
 neuron tensors, with a causal flag or an
-additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`.
+additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`; RoPE and
+cross-entropy (patterns_rope_ce.py) -> NKI-lib's kernels.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _example(arg: Any) -> Any:
     return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, Node) else arg
+
+
+example_value = _example  # a node's example (fake) value, for the substitution modules
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,22 @@ SUBSTITUTIONS: list[Substitution] = [
     Substitution("flash_attention", _is_flash_attention, _rewrite_flash_attention),
 ]
 
+from torchneuron.compiler import patterns_rope_ce  # noqa: E402  (its matchers use the helpers above)
+
+SUBSTITUTIONS += patterns_rope_ce.SUBSTITUTIONS
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list[Node]) -> None:
+    """Erases the nodes a rewrite left without users, and their inputs left so, recursively
+    (what the replaced pattern computed: the kernel computes it now)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
+            continue
+        stack.extend(node.all_input_nodes)
+        graph.erase_node(node)
+
 
 def substitute(gm: GraphModule) -> dict[str, int]:
     """Applies every substitution to the graph; returns how often each applied."""
@@ -111,7 +131,9 @@ def substitute(gm: GraphModule) -> dict[str, int]:
             if substitution.matches(node):
                 replacement = substitution.rewrite(node)
                 node.replace_all_uses_with(replacement)
+                inputs = node.all_input_nodes
                 gm.graph.erase_node(node)
+                _erase_unused(gm.graph, inputs)
                 counts[substitution.name] += 1
                 break
     if any(counts.values()):

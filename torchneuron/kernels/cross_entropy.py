@@ -370,5 +370,6 @@ def host_ce_bwd(logits, labels, lse, grad):
     check_logits(logits, labels, "ce_bwd")
     label = labels.long()
     probs = torch.exp(logits.float() - lse)
-    probs = probs - torch.nn.functional.one_hot(label.clamp(min=0).view(-1), logits.shape[1]).to(probs.dtype)
+    classes = torch.arange(logits.shape[1], device=logits.device).view(1, -1)
+    probs = probs - (classes == label).to(probs.dtype)
     return (probs * torch.where(label >= 0, grad, 0.0)).to(logits.dtype)
