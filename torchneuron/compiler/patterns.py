@@ -13,33 +13,16 @@ cross-entropy (patterns_rope_ce.py) -> NKI-lib's kernels.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from torchneuron.compiler import host_stand_ins  # noqa: F401  (defines the torchneuron:: ops)
-
-FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _example(arg: Any) -> Any:
-    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, Node) else arg
-
-
-example_value = _example  # a node's example (fake) value, for the substitution modules
-
-
-@dataclass(frozen=True)
-class Substitution:
-    """A pattern (`matches(node) -> bool`) and its rewrite (`rewrite(node) -> replacement node`)."""
-
-    name: str
-    matches: Callable[[Node], bool]
-    rewrite: Callable[[Node], Node]
-
+from torchneuron.compiler import patterns_rope_ce
+from torchneuron.compiler.substitution import FLOAT_TYPES, Substitution  # noqa: F401  (part of this API)
+from torchneuron.compiler.substitution import example_value as _example
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -105,9 +88,6 @@ def _rewrite_flash_attention(node: Node) -> Node:
 SUBSTITUTIONS: list[Substitution] = [
     Substitution("flash_attention", _is_flash_attention, _rewrite_flash_attention),
 ]
-
-from torchneuron.compiler import patterns_rope_ce  # noqa: E402  (its matchers use the helpers above)
-
 SUBSTITUTIONS += patterns_rope_ce.SUBSTITUTIONS
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from torchneuron import settings
-from torchneuron.compiler.patterns import FLOAT_TYPES, Substitution, example_value
+from torchneuron.compiler.substitution import FLOAT_TYPES, Substitution, example_value
 from torchneuron.kernels import cross_entropy as ce
 from torchneuron.kernels import rope as rp
 from torchneuron.kernels import rope_ce_ops
