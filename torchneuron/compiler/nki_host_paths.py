@@ -54,17 +54,9 @@ def _trace(host: Callable[..., Any], node: Node) -> tuple[GraphModule, list[Node
 
 def _splice(gm: GraphModule, node: Node, traced: GraphModule, inputs: list[Node]) -> None:
     """Copies the traced ops before `node` and points node's users (or their getitems) at them."""
-    env: dict[Node, Any] = {}
-    feeds = iter(inputs)
-    result: Any = None
+    val_map: dict[Node, Any] = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
     with gm.graph.inserting_before(node):
-        for inner in traced.graph.nodes:
-            if inner.op == "placeholder":
-                env[inner] = next(feeds)
-            elif inner.op == "output":
-                result = torch.fx.node.map_arg(inner.args[0], lambda n: env[n])
-            else:
-                env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+        result = gm.graph.graph_copy(traced.graph, val_map)
     if isinstance(result, (tuple, list)):
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:
