@@ -284,3 +284,15 @@ def test_tiny_llama_compiled_substitutes_rope_and_cross_entropy_and_matches_eage
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_prices_of_large_problems_extend_short_simulations_close_to_a_whole_one(monkeypatch):
+    from torchneuron.kernels import pricing_rope_ce as pricing
+
+    trn2 = TARGETS["trn2"]
+    whole_rope = pricing.rope_kernel_seconds(trn2, 8, 4096, 128, 1, torch.bfloat16)
+    whole_ce = pricing.ce_kernel_seconds(trn2, False, 256, 128, 6000, torch.bfloat16)
+    monkeypatch.setattr(pricing, "ROPE_SIM_ELEMENTS", 1)  # extend from runs of 2 and 4 heads
+    monkeypatch.setattr(pricing, "CE_SIM_TILES", 1)       # from vocabularies of 2048 and 4096
+    assert pricing.rope_kernel_seconds(trn2, 8, 4096, 128, 1, torch.bfloat16) == pytest.approx(whole_rope, rel=0.05)
+    assert pricing.ce_kernel_seconds(trn2, False, 256, 128, 6000, torch.bfloat16) == pytest.approx(whole_ce, rel=0.05)

@@ -7,7 +7,8 @@ the ops, in eager mode and in compiled graphs, are charged what `rope.rope` and
 timing-only (typed placeholders), cached per shape, dtype and target. Problems too large to
 simulate whole are extended linearly from two smaller runs (assumptions):
 - RoPE: head groups are alike (same instructions on the same tables): linear in the heads
-  past two full instruction groups a table;
+  past four full instruction groups a table (fitted from two and four: the first group's ramp-up
+  is in both);
 - cross-entropy over given logits (`ce_fwd` / `ce_bwd`): 128-token tiles are alike: linear in
   the tiles past `CE_LOGITS_FIT_TILES`;
 - linear cross-entropy: 512-entry vocabulary chunks are alike: linear in the vocabulary past
@@ -55,7 +56,7 @@ def rope_kernel_seconds(target: Target, n: int, s: int, d: int, c: int, dtype: t
         return _rope_run(target, n, s, d, c, dtype)
     group = max(1, rp.FREE // (min(rp.FREE // d, s // rp.P or 1) * d))  # heads an instruction covers
     per_table = n // c
-    return _extend(lambda heads: _rope_run(target, heads * c, s, d, c, dtype), per_table, group, 2 * group)
+    return _extend(lambda heads: _rope_run(target, heads * c, s, d, c, dtype), per_table, 2 * group, 4 * group)
 
 
 def rope_seconds(target: Target, name: str, ins: Sequence, outs: Sequence) -> float | None:
