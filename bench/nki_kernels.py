@@ -6,14 +6,19 @@ Timing-only simulations (typed placeholders): attention forward and backward at 
 bf16 (one head; forward also causal and at d = 64), decode attention at batch 32 x context 4K in vLLM's paged KV-cache layout
 through a block table (Llama-8B-like heads: 32 query, 8 key/value, d 128, blocks of 128 and of
 256 keys), the MoE blockwise grouped matmul (8 blocks of 512 tokens, 4096 x 2048 expert
-weights).
+weights), RoPE at 32 heads x 4096 x 128, cross-entropy at 4096 tokens x hidden 2048 x vocabulary
+32000 (fused with the lm_head, bf16; and over given fp32 logits), each against the eager ops
+they replace.
+
+Then a tiny Llama training step compiled for neuron with the RoPE / cross-entropy substitutions
+on and off (TORCHNEURON_COMPILE_ROPE_CE_KERNELS): modeled trn2 step time and host time, ratios.
 
 Columns: modeled latency; Tensor-engine busy % (its instructions' time over the latency,
 PE transposes included); useful % (the op's matmul FLOPs at the bf16 peak over the latency);
 HBM % (the bytes the op must move at the core's HBM bandwidth over the latency); formula /
 kernel (the formula's time over the kernel's).
 
-    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096] [--rows attention]
+    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096] [--rows attention] [--llama-steps 5]
 
 `--rows` keeps the rows whose name contains one of the given words (e.g. `attention`, `bwd`,
 `decode`, `MoE`).
@@ -31,6 +36,8 @@ from torchneuron.hardware.targets import TARGETS
 from torchneuron.kernels import decode_attention as da
 from torchneuron.kernels import flash_attention as fa
 from torchneuron.kernels import moe
+from torchneuron.kernels import cross_entropy as ce
+from torchneuron.kernels import rope as rp
 
 from machine import describe
 
@@ -55,6 +62,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--rows", nargs="*", default=None, help="run only rows whose name contains one of these")
+    ap.add_argument("--llama-steps", type=int, default=5, help="timed steps of the tiny Llama, per setting")
     a = ap.parse_args()
 
     def wanted(name: str) -> bool:
@@ -112,7 +120,99 @@ def main() -> None:
                        target)
     _row(name, st, moe.grouped_flops(nb, kdim, n),
          (nb * moe.BT * (kdim + n) + nb * kdim * n) * 2, mm.duration_s, target)
+    _rope_ce_rows(target)
     print(f"(simulated in {time.perf_counter() - t0:.1f} s of host time)")
+    _tiny_llama_step(a.llama_steps)
+
+
+def _eager_seconds(ops: list[tuple[str, list, list]], target) -> float:
+    """What the eager ops a kernel replaces cost by the performance model, launches included."""
+    return sum(model.op_cost(op, ins, outs, target).duration_s + model.launch_cost(target) for op, ins, outs in ops)
+
+
+def _rope_ce_rows(target) -> None:
+    n, s, d = 32, 4096, 128
+    x, table = (BF16, (1, n, s, d)), (BF16, (1, 1, s, d))
+    half = (BF16, (1, n, s, d // 2))
+    args = (nt.tensor[(n, s, d), BF16], nt.tensor[(1, s, d), BF16], nt.tensor[(1, s, d), BF16])
+    _, st = rp.rope.run(args, {}, target=target)
+    eager = _eager_seconds([("aten::mul.Tensor", [x, table], [x]), ("aten::neg", [half], [half]),
+                            ("aten::cat", [half, half], [x]), ("aten::mul.Tensor", [x, table], [x]),
+                            ("aten::add.Tensor", [x, x], [x])], target)
+    _row(f"RoPE {n}x{s}x{d} bf16", st, 0.0, rp.hbm_bytes(n, s, d, 1, 2), eager, target)
+    t, hid, v = 4096, 2048, 32000
+    h, w, logits = (BF16, (t, hid)), (BF16, (v, hid)), (torch.float32, (t, v))
+    labels, per_token = (torch.int64, (t,)), (torch.float32, ())
+    ce_fwd = [("aten::_log_softmax", [logits], [logits]), ("aten::nll_loss_forward", [logits, labels], [per_token])]
+    ce_bwd = [("aten::nll_loss_backward", [per_token, logits, labels], [logits]),
+              ("aten::_log_softmax_backward_data", [logits, logits], [logits])]
+    head = [("aten::mm", [h, (BF16, (hid, v))], [(BF16, (t, v))]), ("aten::_to_copy", [(BF16, (t, v))], [logits])]
+    head_bwd = [("aten::mm", [logits, w], [h]), ("aten::mm", [(torch.float32, (v, t)), h], [w])]
+    ce_args = (nt.tensor[(t, hid), BF16], nt.tensor[(v, hid), BF16], nt.tensor[(t, 1), torch.int32])
+    grad_args = (nt.tensor[(t, 1), torch.float32],) * 2
+    _, st = ce.linear_ce_fwd.run(ce_args, {}, target=target)
+    _row(f"linear CE fwd {t}x{hid}x{v} bf16", st, ce.flops(t, hid, v), ce.hbm_bytes(t, hid, v, 2),
+         _eager_seconds(head + ce_fwd, target), target)
+    _, st = ce.linear_ce_bwd.run(ce_args + grad_args, {}, target=target)
+    _row(f"linear CE bwd {t}x{hid}x{v} bf16", st, ce.flops(t, hid, v, backward=True),
+         ce.hbm_bytes(t, hid, v, 2, backward=True), _eager_seconds(ce_bwd + head_bwd, target), target)
+    logit_args = (nt.tensor[(t, v), torch.float32], nt.tensor[(t, 1), torch.int32])
+    _, st = ce.ce_fwd.run(logit_args, {}, target=target)
+    _row(f"CE fwd over {t}x{v} fp32 logits", st, 0.0, t * v * 4, _eager_seconds(ce_fwd, target), target)
+    _, st = ce.ce_bwd.run(logit_args + grad_args, {}, target=target)
+    _row(f"CE bwd over {t}x{v} fp32 logits", st, 0.0, 2 * t * v * 4, _eager_seconds(ce_bwd, target), target)
+
+
+def _tiny_llama_step(steps: int) -> None:
+    """A compiled tiny Llama training step (4 x 128 tokens: the kernels' tiles) with the RoPE /
+    cross-entropy substitutions on and off: modeled trn2 device time and host time per step."""
+    import copy
+    import os
+    import statistics
+
+    import transformers
+
+    from torchneuron.hardware import estimate
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=8192,
+                                      max_position_embeddings=256)
+    base = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (4, 128)).to("neuron")
+
+    def compiled(enabled: bool):
+        os.environ["TORCHNEURON_COMPILE_ROPE_CE_KERNELS"] = "1" if enabled else "0"
+        torch._dynamo.reset()
+        model = copy.deepcopy(base).to("neuron")
+        model.tie_weights()
+        forward = torch.compile(model, backend="neuron")
+
+        def step() -> torch.Tensor:
+            loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss
+        for _ in range(2):  # compilation, then a warm step
+            step().item()
+        with estimate("trn2") as est:
+            step().item()
+        return step, est.device_time_s
+
+    (step_on, device_on), (step_off, device_off) = compiled(True), compiled(False)
+    os.environ.pop("TORCHNEURON_COMPILE_ROPE_CE_KERNELS")
+    host = {True: [], False: []}
+    for _ in range(steps):  # interleaved rounds
+        for enabled, step in ((True, step_on), (False, step_off)):
+            start = time.perf_counter()
+            step().item()
+            host[enabled].append(time.perf_counter() - start)
+    on, off = statistics.median(host[True]), statistics.median(host[False])
+    print("tiny Llama training step compiled (hidden 256, 2 layers, vocab 8192, 4 x 128 tokens), trn2:")
+    print(f"  modeled device step: substitutions on {device_on * 1e6:8.1f} us, off {device_off * 1e6:8.1f} us, "
+          f"off / on {device_off / device_on:5.2f}x")
+    print(f"  host time per step:  on {on * 1e3:8.1f} ms, off {off * 1e3:8.1f} ms, on / off {on / off:5.2f}x "
+          f"(goal <= 1.05x; medians of {steps})")
 
 
 if __name__ == "__main__":

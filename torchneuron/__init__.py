@@ -48,6 +48,10 @@ from torchneuron.kernels.pricing import install as _install_kernel_pricing  # no
 
 _install_kernel_pricing()  # attention ops are charged their NKI kernels' simulated latency
 
+from torchneuron.kernels.pricing_rope_ce import install as _install_rope_ce_pricing  # noqa: E402
+
+_install_rope_ce_pricing()  # so are the RoPE and linear cross-entropy ops
+
 from torchneuron.eager import configure_from_env as _configure_eager, set_eager_mode  # noqa: E402
 
 _configure_eager()  # TORCHNEURON_EAGER_MODE=adaptive

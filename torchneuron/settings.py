@@ -121,6 +121,11 @@ class Settings:
         "`1` (experimental): a compiled graph's first calls run the graph with ATen kernels, charged as planned, "
         "until its C++ kernels finish building in the background (results can differ from the C++ kernels' in "
         "the last bits; default: the first call waits for the build)")
+    compile_rope_ce_kernels: bool = variable(
+        "TORCHNEURON_COMPILE_ROPE_CE_KERNELS", False,
+        "`1` (experimental): torch.compile substitutes NKI-lib's RoPE and (fused linear +) cross-entropy kernels "
+        "for rotary embeddings and cross-entropy (off by default: at tiny model sizes the kernels' fixed costs "
+        "make the modeled step slower than the plan's fused generic ops)")
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")

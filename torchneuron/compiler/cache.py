@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.fx import GraphModule
 
+from torchneuron import settings
 from torchneuron.compiler import config
 from torchneuron.hardware.targets import get_target
 from torchneuron.ops import policy
@@ -68,7 +69,8 @@ def graph_key(gm: GraphModule, example_inputs: list[Any], options: dict[str, Any
     code = "\n".join(line for line in gm.code.splitlines() if not line.strip().startswith("#"))
     parts = [config.VERSION, get_target().name, str(policy.is_strict()), code, repr(sorted(options.items())),
              repr([_input_signature(v) for v in example_inputs]), str(torch.is_grad_enabled()),
-             str(torch.is_autocast_enabled("neuron") if hasattr(torch, "is_autocast_enabled") else False)]
+             str(torch.is_autocast_enabled("neuron") if hasattr(torch, "is_autocast_enabled") else False),
+             f"rope-ce-kernels={settings.current().compile_rope_ce_kernels}"]  # (what patterns substitutes)
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 

@@ -73,6 +73,9 @@ NKI_KERNELS: dict[str, str] = {
     "torchneuron::flash_attention": "aten::_scaled_dot_product_flash_attention",
     "torchneuron::flash_attention_backward": "aten::_scaled_dot_product_flash_attention_backward",
     "torchneuron::grouped_mm": "aten::_grouped_mm",  # patterns_moe.py: one grouped Tensor-engine kernel
+    # NKI-lib ops substituted by patterns_rope_ce.py, priced as themselves (kernels/pricing_rope_ce.py)
+    **{f"nki_kernels::{name}": f"nki_kernels::{name}"
+       for name in ("rope", "linear_ce_fwd", "linear_ce_bwd", "ce_fwd", "ce_bwd")},
 }
 
 

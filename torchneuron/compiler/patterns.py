@@ -8,13 +8,13 @@ Built in: `torch.nn.functional.scaled_dot_product_attention` (without dropout or
 query attention, one head size for queries, keys and values, on float32/bfloat16/float16
 neuron tensors, with a causal flag or an
 additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`; transformers'
-MoE `transformers::grouped_mm_fallback` on neuron -> `torchneuron::grouped_mm` (patterns_moe.py).
+MoE `transformers::grouped_mm_fallback` on neuron -> `torchneuron::grouped_mm` (patterns_moe.py);
+RoPE and cross-entropy (patterns_rope_ce.py, opt-in) -> NKI-lib's kernels.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,22 +22,9 @@ from torch.fx import GraphModule, Node
 
 from torchneuron.compiler import host_stand_ins  # noqa: F401  (defines the torchneuron:: ops)
 from torchneuron.compiler import patterns_moe
-
-FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _example(arg: Any) -> Any:
-    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, Node) else arg
-
-
-@dataclass(frozen=True)
-class Substitution:
-    """A pattern (`matches(node) -> bool`) and its rewrite (`rewrite(node) -> replacement node`)."""
-
-    name: str
-    matches: Callable[[Node], bool]
-    rewrite: Callable[[Node], Node]
-
+from torchneuron.compiler import patterns_rope_ce
+from torchneuron.compiler.substitution import FLOAT_TYPES, Substitution  # noqa: F401  (part of this API)
+from torchneuron.compiler.substitution import example_value as _example
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -104,6 +91,19 @@ SUBSTITUTIONS: list[Substitution] = [
     Substitution("flash_attention", _is_flash_attention, _rewrite_flash_attention),
     Substitution("grouped_mm", patterns_moe.is_grouped_mm_fallback, patterns_moe.rewrite_grouped_mm_fallback),
 ]
+SUBSTITUTIONS += patterns_rope_ce.SUBSTITUTIONS
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list[Node]) -> None:
+    """Erases the nodes a rewrite left without users, and their inputs left so, recursively
+    (what the replaced pattern computed: the kernel computes it now)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
+            continue
+        stack.extend(node.all_input_nodes)
+        graph.erase_node(node)
 
 
 def substitute(gm: GraphModule) -> dict[str, int]:
@@ -114,7 +114,9 @@ def substitute(gm: GraphModule) -> dict[str, int]:
             if substitution.matches(node):
                 replacement = substitution.rewrite(node)
                 node.replace_all_uses_with(replacement)
+                inputs = node.all_input_nodes
                 gm.graph.erase_node(node)
+                _erase_unused(gm.graph, inputs)
                 counts[substitution.name] += 1
                 break
     if any(counts.values()):

@@ -7,7 +7,8 @@ so it runs inside Inductor after decomposition and autograd, before lowering, an
 1. passes.py: dead code, constant folding, layout and dtype normalisation;
 2. partition.py: device / host-fallback / cpu placement of every op;
 3. graph_fusion.py: grouping of device ops into kernels, and their HBM reads and writes;
-4. host_stand_ins.lower_to_host: NKI-kernel ops become the host kernels they execute as;
+4. host_stand_ins.lower_to_host: NKI-kernel ops become the host kernels they execute as
+   (nki_host_paths.inline: NKI-lib's ops, their host paths' ATen ops);
 5. for adaptive eager's programs (eager_numerics.py), ops whose generated code would round
    unlike the eager kernel are called as that kernel;
 
@@ -24,7 +25,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch.fx import GraphModule
 
-from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, host_stand_ins
+from torchneuron.compiler import artifacts, config, eager_numerics, flex_attention, host_stand_ins, nki_host_paths
 from torchneuron.compiler.cost import eager_cost, plan_costs
 from torchneuron.compiler.graph_fusion import build_kernels, fuse
 from torchneuron.compiler.partition import partition
@@ -159,6 +160,7 @@ class NeuronGraphPass(CustomGraphModulePass):
         plan = GraphPlan(name, _device_index(gm), kernels, symbols, unbacked, defaults)
         gm.meta[PLAN_META_KEY] = plan
         rewrites["lowered_to_host_kernels"] = host_stand_ins.lower_to_host(gm)
+        rewrites["nki_host_paths_inlined"] = nki_host_paths.inline(gm)
         if eager_numerics.active():  # an adaptive eager program: rounds as the eager kernels do
             rewrites["called_as_eager_kernels"] = eager_numerics.mark_eager_calls(gm)
         if dumping:

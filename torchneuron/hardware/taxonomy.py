@@ -17,6 +17,9 @@ _CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
         "_neg_view _conj conj resolve_conj resolve_neg _nested_tensor_from_mask_left_aligned",
         "as_strided_scatter_view _indices _values"),
     "paged_attention": split_names("decode_attention"),
+    # NKI-lib kernels with no aten counterpart, priced by simulating them (kernels/pricing_rope_ce.py)
+    "nki_rope": split_names("rope"),
+    "nki_linear_cross_entropy": split_names("linear_ce_fwd linear_ce_bwd ce_fwd ce_bwd"),
     "matmul": split_names("mm addmm bmm baddbmm matmul linear _addmm_activation addbmm addmv mv dot",
                      "vdot outer ger _scaled_mm inner tensordot"),
     "conv": split_names("convolution convolution_overrideable _convolution conv1d conv2d conv3d",

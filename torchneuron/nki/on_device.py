@@ -62,7 +62,8 @@ def call_on_device(kernel: Any, args: tuple, kwargs: dict, host: Callable | None
             src = views.get(o.data_ptr())
             if src is not None and o.shape == src.shape:
                 return src                      # the kernel returned (an alias of) an input
-            d = torch.empty(o.shape, dtype=o.dtype, device=device)
+            with torch.inference_mode(False):  # a normal tensor: autograd tracks views of it
+                d = torch.empty(o.shape, dtype=o.dtype, device=device)
             host_view(d).copy_(o)
             return d
 
