@@ -6,7 +6,8 @@ Timing-only simulations (typed placeholders): attention forward and backward at 
 bf16 (one head; forward also causal and at d = 64), decode attention at batch 32 x context 4K in vLLM's paged KV-cache layout
 through a block table (Llama-8B-like heads: 32 query, 8 key/value, d 128, blocks of 128 and of
 256 keys), the MoE blockwise grouped matmul (8 blocks of 512 tokens, 4096 x 2048 expert
-weights), RoPE at 32 heads x 4096 x 128, cross-entropy at 4096 tokens x hidden 2048 x vocabulary
+weights), the fp8 scaled matmul (row-wise scales, bf16 out) at 4096 x 4096 x 4096 beside
+the bf16 `matmul_fully_blocked` kernel of the same size (--mnk), RoPE at 32 heads x 4096 x 128, cross-entropy at 4096 tokens x hidden 2048 x vocabulary
 32000 (fused with the lm_head, bf16; and over given fp32 logits), each against the eager ops
 they replace.
 
@@ -16,12 +17,15 @@ on and off (TORCHNEURON_COMPILE_ROPE_CE_KERNELS): modeled trn2 step time and hos
 Columns: modeled latency; Tensor-engine busy % (its instructions' time over the latency,
 PE transposes included); useful % (the op's matmul FLOPs at the bf16 peak over the latency);
 HBM % (the bytes the op must move at the core's HBM bandwidth over the latency); formula /
-kernel (the formula's time over the kernel's).
+kernel (the formula's time over the kernel's). The fp8 row prints instead its % of the
+target's FP8 roofline (the op's FLOPs at `peak_flops(float8_e4m3fn)`) and bf16 kernel / fp8
+kernel, the speedup over the bf16 matmul kernel row above it.
 
-    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096] [--rows attention] [--llama-steps 5]
+    python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096] [--mnk 4096] [--rows attention]
+                                [--llama-steps 5]
 
 `--rows` keeps the rows whose name contains one of the given words (e.g. `attention`, `bwd`,
-`decode`, `MoE`).
+`decode`, `MoE`, `matmul`).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from torchneuron.hardware import model
 from torchneuron.hardware.targets import TARGETS
 from torchneuron.kernels import decode_attention as da
 from torchneuron.kernels import flash_attention as fa
-from torchneuron.kernels import moe
+from torchneuron.kernels import fp8_matmul, matmul, moe
 from torchneuron.kernels import cross_entropy as ce
 from torchneuron.kernels import rope as rp
 
@@ -61,6 +65,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--mnk", type=int, default=4096, help="M = K = N of the matmul rows")
     ap.add_argument("--rows", nargs="*", default=None, help="run only rows whose name contains one of these")
     ap.add_argument("--llama-steps", type=int, default=5, help="timed steps of the tiny Llama, per setting")
     a = ap.parse_args()
@@ -120,6 +125,21 @@ def main() -> None:
                        target)
     _row(name, st, moe.grouped_flops(nb, kdim, n),
          (nb * moe.BT * (kdim + n) + nb * kdim * n) * 2, mm.duration_s, target)
+    s3 = a.mnk
+    fp8 = torch.float8_e4m3fn
+    name = f"bf16 matmul {s3}^3 fully blocked"
+    bf16_st = run(name, matmul.matmul_fully_blocked, (nt.tensor[(s3, s3), BF16], nt.tensor[(s3, s3), BF16]), {})
+    mm = model.op_cost("aten::mm", [(BF16, (s3, s3)), (BF16, (s3, s3))], [(BF16, (s3, s3))], target)
+    _row(name, bf16_st, fp8_matmul.flops(s3, s3, s3), 3 * s3 * s3 * 2, mm.duration_s, target)
+    name = f"fp8 scaled matmul {s3}^3 row-wise"
+    args = (nt.tensor[(s3, s3), fp8], nt.tensor[(s3, s3), fp8], nt.tensor[(s3, 1), torch.float32],
+            nt.tensor[(1, s3), torch.float32])
+    st = run(name, fp8_matmul.scaled_matmul, args, {})
+    if st is not None and bf16_st is not None:
+        lat = st.latency_s
+        print(f"{name:34s} {lat * 1e6:10.1f} us  TE busy {st.engine_busy_s.get('tensor', 0.0) / lat:6.1%}  "
+              f"FP8 roofline {fp8_matmul.flops(s3, s3, s3) / (target.peak_flops(fp8) * lat):6.1%}  "
+              f"bf16 kernel/fp8 kernel {bf16_st.latency_s / lat:5.2f}x")
     _rope_ce_rows(target)
     print(f"(simulated in {time.perf_counter() - t0:.1f} s of host time)")
     _tiny_llama_step(a.llama_steps)

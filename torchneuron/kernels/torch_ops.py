@@ -9,6 +9,8 @@ neuron tensors, in eager mode and under torch.compile.
   per sequence against vLLM's paged KV cache through each sequence's block table.
 - `router_topk(x, w, k)`, `grouped_matmul(x, w, block_expert)`: MoE routing and the blockwise
   grouped matmul (forward only: no weight-gradient kernel yet).
+- `fp8_scaled_matmul(a, b, scale_a, scale_b, out_dtype)`: fp8 a @ b with tensor-wise or
+  row-wise fp32 scales, bf16 or fp32 out (forward only).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from ..nki import nki_op, register_autograd
 from ..ops import policy
 from . import attention, norms
-from . import decode_attention, moe
+from . import decode_attention, fp8_matmul, moe
 from . import flash_attention as mha
 
 rmsnorm_op = nki_op("nki_kernels::rmsnorm", norms.rmsnorm)
@@ -159,3 +161,24 @@ def router_topk(x: torch.Tensor, w: torch.Tensor, k: int = 2) -> tuple[torch.Ten
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
     """x [NB * 512, K] in blocks of 512 tokens, block b times w[block_expert[b]] (w [E, K, N])."""
     return grouped_matmul_op(x.contiguous(), w.contiguous(), block_expert.to(torch.int32).reshape(-1, 1).contiguous())
+
+
+# -- fp8 scaled matmul (fp8_matmul.py) -------------------------------------------------------------
+fp8_scaled_matmul_op = nki_op("nki_kernels::fp8_scaled_matmul", fp8_matmul.scaled_matmul,
+                              arg_types={"fp32_out": bool},
+                              host=fp8_matmul.host_scaled_matmul)
+
+
+def fp8_scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(a @ b) * scale_a * scale_b as `torch._scaled_mm`: a [M, K] and b [K, N] float8_e4m3fn or
+    float8_e5m2; fp32 scales tensor-wise (one element each) or row-wise (scale_a [M, 1],
+    scale_b [1, N]); out_dtype bf16 or fp32. M, K multiples of 128, N of 512."""
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8 scaled_matmul: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if a.dim() != 2:
+        raise ValueError(f"fp8 scaled_matmul: a must be [M, K], got {tuple(a.shape)}")
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        scale_a, scale_b = scale_a.reshape(1, 1), scale_b.reshape(1, 1)
+    return fp8_scaled_matmul_op(a.T.contiguous(), b.contiguous(), scale_a.float().contiguous(),
+                                scale_b.float().contiguous(), out_dtype == torch.float32)
