@@ -296,7 +296,7 @@ def _torchrun(nproc: int, device: str, titan_args: Sequence[str], timeout: float
         environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     elif _neuron_devices(environ) < nproc:
         # torchtitan puts local rank r on device r: a process needs as many neuron devices as ranks
-        environ["TORCHNEURON_DEVICE_COUNT"] = str(nproc)
+        environ.update(TORCHNEURON_DEVICE_COUNT=str(nproc))  # a child setting, read there by settings.py
     result = subprocess.run(command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=timeout)
     if log is not None:
