@@ -1,7 +1,8 @@
 # The two entry points of the README: `make demo` (train a small model on neuron) and `make test`.
 # Both install everything from scratch into .venv first (torch==2.13.0, then the package with its
 # C++ runtime built against that torch, without build isolation, and the extras `serve` (vLLM, whose
-# CUDA builds of torchvision/torchaudio/torchcodec are removed again, as they break transformers), `ao` (torchao) and `diffusion` (diffusers).
+# CUDA builds of torchvision/torchaudio/torchcodec are removed again, as they break transformers), `ao` (torchao),
+# `diffusion` (diffusers) and `titan` (torchtitan's dependencies; torchtitan itself without its datasets pin).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # the C++ sources of the one library torchneuron/runtime/_C.so (setup.py's CSRC_DIRS)
@@ -20,7 +21,8 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve,ao,diffusion]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,serve,ao,diffusion,titan]"
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
