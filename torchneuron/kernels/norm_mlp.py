@@ -40,7 +40,9 @@ from .cross_entropy import _blocks, _itemsize, _load_transposed
 P = 128
 CHUNK = 512               # output columns a PSUM bank holds in fp32
 SBUF_BUDGET = 160 * 1024  # bytes a partition a token block and a streamed weight chunk may take
-SWIGLU_TOKENS = 512       # tokens a SwiGLU block (the gate/up matmuls' moving operand)
+SWIGLU_TOKENS = 512       # tokens a SwiGLU block at most (the gate/up matmuls' moving operand)
+F_GROUP = 4               # SwiGLU forward: intermediate chunks of 128 whose down products PSUM sums
+PSUM_BANKS = 8            # [128, 512] fp32 accumulators PSUM holds
 
 
 class UnsupportedInput(ValueError):
@@ -63,13 +65,14 @@ def check_rmsnorm_linear(x, w_norm, w, what: str = "rmsnorm_linear kernel") -> t
 def rmsnorm_linear_tiles(t: int, d: int, n: int, itemsize: int, backward: bool,
                          what: str = "rmsnorm_linear kernel") -> int:
     """128-token tiles a block keeps in SBUF next to the streamed weight chunk: forward the
-    normalised x^T; backward x, normalised x, dy, dy^T and the fp32 dxn."""
-    per_tile = d * itemsize + ((d * (itemsize + 4) + 2 * n * itemsize) if backward else 0)
-    fixed = d * CHUNK // P * itemsize + 3 * d * 4  # the weight chunk, a tile's fp32 temporaries
+    normalised x^T; backward dy, dy^T and the fp32 dxn (at most 4: the PSUM banks' share)."""
+    per_tile = d * itemsize if not backward else d * 4 + 2 * n * itemsize
+    fixed = d * CHUNK // P * itemsize + 4 * d * 4 + t // P * 4  # weight chunk, fp32 temporaries, rstd
     if fixed + per_tile > SBUF_BUDGET:
         raise UnsupportedInput(f"{what}: hidden size D={d} with N={n} outputs does not fit a weight chunk and "
                                f"one token tile in SBUF ({fixed + per_tile} B a partition; at most {SBUF_BUDGET})")
-    return max(1, min(t // P, (SBUF_BUDGET - fixed) // per_tile))
+    tiles = max(1, min(t // P, (SBUF_BUDGET - fixed) // per_tile))
+    return min(tiles, 4) if backward else tiles
 
 
 def check_swiglu(x, wg, wu, wd, what: str = "swiglu kernel") -> tuple[int, int, int]:
@@ -85,12 +88,20 @@ def check_swiglu(x, wg, wu, wd, what: str = "swiglu kernel") -> tuple[int, int, 
     if t % P or d % P or f % P:
         raise UnsupportedInput(f"{what}: tokens T={t}, hidden size D={d} and intermediate size F={f} must be "
                                f"multiples of {P}")
-    tokens = min(t, SWIGLU_TOKENS)
-    need = tokens // P * d * (4 + 2 * _itemsize(x.dtype)) + 3 * d * _itemsize(x.dtype) + 8 * tokens * 4
-    if need > SBUF_BUDGET:
-        raise UnsupportedInput(f"swiglu kernel: hidden size D={d} does not fit a token block in SBUF "
-                               f"({need} B a partition; at most {SBUF_BUDGET})")
+    swiglu_tiles(t, d, _itemsize(x.dtype), backward=True, what=what)
     return t, d, f
+
+
+def swiglu_tiles(t: int, d: int, itemsize: int, backward: bool, what: str = "swiglu kernel") -> int:
+    """128-token tiles of a SwiGLU block (at most SWIGLU_TOKENS tokens): per tile x^T, the fp32
+    output accumulator and its rounding (backward also dy^T, x and dy), next to a chunk of each
+    weight and the chunk's fp32 intermediates."""
+    per_tile = d * (4 + (5 if backward else 2) * itemsize)
+    fixed = (7 if backward else 3 + 2 * F_GROUP) * d * itemsize + 10 * SWIGLU_TOKENS * 4
+    if fixed + per_tile > SBUF_BUDGET:
+        raise UnsupportedInput(f"{what}: hidden size D={d} does not fit a token tile and the weight chunks in "
+                               f"SBUF ({fixed + per_tile} B a partition; at most {SBUF_BUDGET})")
+    return max(1, min(t // P, SWIGLU_TOKENS // P, (SBUF_BUDGET - fixed) // per_tile))
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
@@ -101,11 +112,12 @@ def _row_broadcast(v, d: int, dtype):
     return tile
 
 
-def _transpose_into(dst, src, rows: int, cols: int, dtype) -> None:
-    """dst[0:cols, 0:rows] = src[0:rows, 0:cols]^T (<= 128 x 128) through the Tensor engine."""
+def _transpose_into(dst, src, rows: int, cols: int, dtype, on_vector: bool = False) -> None:
+    """dst[0:cols, 0:rows] = src[0:rows, 0:cols]^T (<= 128 x 128) through the Tensor engine,
+    out of PSUM on the Scalar (or Vector) engine."""
     tr = nl.ndarray((P, P), dtype=dtype, buffer=nl.psum)
     nisa.nc_transpose(dst=tr[0:cols, 0:rows], data=src)
-    nisa.tensor_copy(dst=dst, src=tr[0:cols, 0:rows], engine=nisa.scalar_engine)
+    nisa.tensor_copy(dst=dst, src=tr[0:cols, 0:rows], engine=nisa.vector_engine if on_vector else nisa.scalar_engine)
 
 
 def _accumulate(acc_sb, psum) -> None:
@@ -200,6 +212,17 @@ def _norm_backward(dxn, xt, w_n, r, d: int, dx_dst, ones, dwn_acc) -> None:
         _accumulate(dwn_acc[:, c0:c1], part)
 
 
+def _psum_blocks(d: int, tiles: int) -> list[tuple[int, int]]:
+    """Column blocks (start, end) of D whose [128, 512] fp32 chunks for `tiles` rows of tiles
+    fill at most the 8 PSUM banks."""
+    width = max(1, PSUM_BANKS // tiles) * CHUNK
+    return [(c0, min(d, c0 + width)) for c0 in range(0, d, width)]
+
+
+def _chunks(c0: int, c1: int) -> list[tuple[int, int]]:
+    return [(a, min(c1, a + CHUNK)) for a in range(c0, c1, CHUNK)]
+
+
 @nki.jit
 def rmsnorm_linear_bwd(x, w_norm, w, rstd, dy, eps: float = 1e-6):
     t, d, n_out = check_rmsnorm_linear(x, w_norm, w, "rmsnorm_linear_bwd")
@@ -211,57 +234,80 @@ def rmsnorm_linear_bwd(x, w_norm, w, rstd, dy, eps: float = 1e-6):
     nisa.memset(dst=ones, value=1.0, engine=nisa.gpsimd_engine)
     dwn_acc = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=dwn_acc, value=0.0, engine=nisa.gpsimd_engine)
-    dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
-    tiles = rmsnorm_linear_tiles(t, d, n_out, _itemsize(x.dtype), backward=True)
+    r_all = nl.ndarray((P, t // P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=r_all, src=rstd.ap([[1, P], [P, t // P]], offset=0))
     n_subs = _subs(n_out)
-    for block, (t0, nt) in enumerate(_blocks(t, tiles)):
-        r = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=r, src=rstd.ap([[1, P], [P, nt]], offset=t0))
-        xs, xns = [], []
+    # phase 1, per token block: dxn = dy @ W (W streamed in [128, block] slabs, dxn in PSUM), then
+    # the norm's backward: dx, and w_norm's gradient
+    for t0, nt in _blocks(t, rmsnorm_linear_tiles(t, d, n_out, _itemsize(x.dtype), backward=True)):
         dy_n = nl.ndarray((P, nt, n_out), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=dy_n, src=dy.ap([[n_out, P], [P * n_out, nt], [1, n_out]], offset=t0 * n_out))
         dy_t = nl.ndarray((P, len(n_subs), nt * P), dtype=x.dtype, buffer=nl.sbuf)
         for ti in range(nt):
-            xt, xn = _norm_tile(x, w_n, t0 + ti * P, d, eps, r[:, ti:ti + 1])
-            xs.append(xt)
-            xns.append(xn)
             for j, (a, b) in enumerate(n_subs):
                 _transpose_into(dy_t[0:b - a, j, ti * P:(ti + 1) * P], dy_n[:, ti, a:b], P, b - a, x.dtype)
         dxn = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=dxn, value=0.0, engine=nisa.gpsimd_engine)
-        for n0 in range(0, n_out, CHUNK):
-            n = min(CHUNK, n_out - n0)
-            subs = _subs(n)
-            j0 = n0 // P
-            w_rows = nl.ndarray((P, len(subs), d), dtype=w.dtype, buffer=nl.sbuf)
-            for j, (a, b) in enumerate(subs):
-                nisa.dma_copy(dst=w_rows[0:b - a, j, :], src=w[n0 + a:n0 + b, :])
-            for ti in range(nt):  # dxn[tile] += dy[tile, chunk] @ W[chunk]
-                for c0, c1 in dchunks:
-                    acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
-                    for j, (a, b) in enumerate(subs):
-                        nisa.nc_matmul(dst=acc, stationary=dy_t[0:b - a, j0 + j, ti * P:(ti + 1) * P],
-                                       moving=w_rows[0:b - a, j, c0:c1])
-                    _accumulate(dxn[:, ti, c0:c1], acc)
-            for a, b in subs:  # dW[chunk] = dy[:, chunk]^T @ xn over the block's tiles
-                for c0, c1 in dchunks:
-                    acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
-                    for ti in range(nt):
-                        nisa.nc_matmul(dst=acc[0:b - a, :], stationary=dy_n[:, ti, n0 + a:n0 + b],
-                                       moving=xns[ti][:, c0:c1])
-                    _store_grad(dw[n0 + a:n0 + b, c0:c1], acc, b - a, c1 - c0, block == 0)
+        for c0, c1 in _psum_blocks(d, nt):
+            accs = [[nl.ndarray((P, b - a), dtype=nl.float32, buffer=nl.psum) for a, b in _chunks(c0, c1)]
+                    for _ in range(nt)]
+            for j, (a, b) in enumerate(n_subs):
+                slab = nl.ndarray((P, c1 - c0), dtype=w.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=slab[0:b - a, :], src=w[a:b, c0:c1])
+                for ti in range(nt):
+                    for k, (e0, e1) in enumerate(_chunks(c0, c1)):
+                        nisa.nc_matmul(dst=accs[ti][k], stationary=dy_t[0:b - a, j, ti * P:(ti + 1) * P],
+                                       moving=slab[0:b - a, e0 - c0:e1 - c0])
+            for ti in range(nt):
+                for k, (e0, e1) in enumerate(_chunks(c0, c1)):
+                    nisa.tensor_copy(dst=dxn[:, ti, e0:e1], src=accs[ti][k],
+                                     engine=nisa.scalar_engine if k % 2 else nisa.vector_engine)
         for ti in range(nt):
+            row0 = t0 + ti * P
+            xt = nl.ndarray((P, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=xt, src=x[row0:row0 + P, :])
             dx_t = nl.ndarray((P, d), dtype=x.dtype, buffer=nl.sbuf)
-            _norm_backward(dxn[:, ti, :], xs[ti], w_n, r[:, ti:ti + 1], d, dx_t, ones, dwn_acc)
-            nisa.dma_copy(dst=dx[t0 + ti * P:t0 + (ti + 1) * P, :], src=dx_t)
+            col = row0 // P
+            _norm_backward(dxn[:, ti, :], xt, w_n, r_all[:, col:col + 1], d, dx_t, ones, dwn_acc)
+            nisa.dma_copy(dst=dx[row0:row0 + P, :], src=dx_t)
     nisa.dma_copy(dst=dwn, src=dwn_acc)
+    # phase 2: dW = dy^T @ xn, output-stationary: a [512 n, block] piece of dW accumulates over
+    # every token tile in PSUM, xn's columns recomputed from x, rstd and w_norm as they stream
+    for n0 in range(0, n_out, CHUNK):
+        subs = _subs(min(CHUNK, n_out - n0))
+        for c0, c1 in _psum_blocks(d, len(subs)):
+            accs = [[nl.ndarray((P, b - a), dtype=nl.float32, buffer=nl.psum) for a, b in _chunks(c0, c1)]
+                    for _ in subs]
+            for ti in range(t // P):
+                dyt = nl.ndarray((P, CHUNK), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=dyt[:, 0:subs[-1][1]], src=dy[ti * P:(ti + 1) * P, n0:n0 + subs[-1][1]])
+                xc = nl.ndarray((P, c1 - c0), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=xc, src=x[ti * P:(ti + 1) * P, c0:c1])
+                xn = nl.ndarray((P, c1 - c0), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.scalar_tensor_tensor(dst=xn, data=xc, op0=nl.multiply, operand0=r_all[:, ti:ti + 1],
+                                          op1=nl.multiply, operand1=w_n[:, c0:c1],
+                                          engine=nisa.gpsimd_engine if ti % 2 else nisa.vector_engine)
+                for j, (a, b) in enumerate(subs):
+                    for k, (e0, e1) in enumerate(_chunks(c0, c1)):
+                        nisa.nc_matmul(dst=accs[j][k][0:b - a, :], stationary=dyt[:, a:b],
+                                       moving=xn[:, e0 - c0:e1 - c0])
+            for j, (a, b) in enumerate(subs):
+                for k, (e0, e1) in enumerate(_chunks(c0, c1)):
+                    out = nl.ndarray((P, e1 - e0), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=out[0:b - a, :], op=nl.copy, data=accs[j][k][0:b - a, :])
+                    nisa.dma_copy(dst=dw[n0 + a:n0 + b, e0:e1], src=out[0:b - a, :])
     return dx, dwn, dw
 
 
 # -- SwiGLU MLP ----------------------------------------------------------------------------------
-def _weight_t_chunk(wt, f0: int, d: int):
-    """Rows f0..f0+128 of a [F, D] weight transposed: [128 (d), D/128, 128 (f)] (stationary)."""
-    return _load_transposed(wt, f0, P, d)
+def _weight_t_chunk(w, r0: int, d: int):
+    """Rows r0..r0+128 of a [R, D] weight transposed, [128 (d), D/128, 128 (r)] (stationary):
+    loaded in its own layout (long runs), transposed 128 x 128 on the Tensor engine."""
+    rows = nl.ndarray((P, d), dtype=w.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=rows, src=w[r0:r0 + P, :])
+    out = nl.ndarray((P, d // P, P), dtype=w.dtype, buffer=nl.sbuf)
+    for c in range(d // P):
+        _transpose_into(out[:, c, :], rows[:, c * P:(c + 1) * P], P, P, w.dtype, c % 2)
+    return out
 
 
 def _projection_t(w_t, x_t, d: int, rows: int):
@@ -272,11 +318,18 @@ def _projection_t(w_t, x_t, d: int, rows: int):
     return acc
 
 
-def _down_rows(wd, f0: int, d: int, f: int, dtype):
-    """Wd[:, f0:f0+128]^T: [128 (f), D] (the down projection's moving operand, one transposing DMA)."""
-    rows = nl.ndarray((P, d), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=rows, src=wd.ap([[f, d], [1, P]], offset=f0))
-    return rows
+def _down_rows(wd, g0: int, width: int, d: int, f: int) -> list:
+    """Wd[:, g0 + 128 k : g0 + 128 (k + 1)]^T, [128 (f), D] each (the down projection's moving
+    operands): Wd's columns g0..g0+width loaded in its layout, transposed on the Tensor engine."""
+    cols = nl.ndarray((P, d // P, width), dtype=wd.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=cols, src=wd.ap([[f, P], [P * f, d // P], [1, width]], offset=g0))
+    out = []
+    for k in range(width // P):
+        rows = nl.ndarray((P, d), dtype=wd.dtype, buffer=nl.sbuf)
+        for c in range(d // P):
+            _transpose_into(rows[:, c * P:(c + 1) * P], cols[:, c, k * P:(k + 1) * P], P, P, wd.dtype, c % 2)
+        out.append(rows)
+    return out
 
 
 @nki.jit
@@ -284,23 +337,27 @@ def swiglu_fwd(x, wg, wu, wd):
     t, d, f = check_swiglu(x, wg, wu, wd, "swiglu_fwd")
     y = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
     dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
-    for t0, nt in _blocks(t, SWIGLU_TOKENS // P):
+    for t0, nt in _blocks(t, swiglu_tiles(t, d, _itemsize(x.dtype), backward=False)):
         rows = nt * P
         x_t = _load_transposed(x, t0, rows, d)
         y_acc = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=y_acc, value=0.0, engine=nisa.gpsimd_engine)
-        for f0 in range(0, f, P):
-            g = _projection_t(_weight_t_chunk(wg, f0, d), x_t, d, rows)
-            u = _projection_t(_weight_t_chunk(wu, f0, d), x_t, d, rows)
-            s = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=s, op=nl.silu, data=g)
-            h_t = nl.ndarray((P, rows), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=h_t, data1=s, data2=u, op=nl.multiply)
-            wd_rows = _down_rows(wd, f0, d, f, wd.dtype)
+        for g0 in range(0, f, F_GROUP * P):  # F_GROUP chunks of 128: their down products add in PSUM
+            h_ts, width = [], min(f, g0 + F_GROUP * P) - g0
+            wd_rows = _down_rows(wd, g0, width, d, f)
+            for f0 in range(g0, g0 + width, P):
+                g = _projection_t(_weight_t_chunk(wg, f0, d), x_t, d, rows)
+                u = _projection_t(_weight_t_chunk(wu, f0, d), x_t, d, rows)
+                s = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=s, op=nl.silu, data=g)
+                h_t = nl.ndarray((P, rows), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=h_t, data1=s, data2=u, op=nl.multiply)
+                h_ts.append(h_t)
             for ti in range(nt):
                 for c0, c1 in dchunks:
                     acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=acc, stationary=h_t[:, ti * P:(ti + 1) * P], moving=wd_rows[:, c0:c1])
+                    for h_t, rows_k in zip(h_ts, wd_rows):
+                        nisa.nc_matmul(dst=acc, stationary=h_t[:, ti * P:(ti + 1) * P], moving=rows_k[:, c0:c1])
                     _accumulate(y_acc[:, ti, c0:c1], acc)
         out = nl.ndarray((P, nt, d), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=out, src=y_acc, engine=nisa.gpsimd_engine)
@@ -324,7 +381,7 @@ def swiglu_bwd(x, wg, wu, wd, dy):
     dwu = nl.ndarray((f, d), dtype=nl.float32, buffer=nl.shared_hbm)
     dwd = nl.ndarray((d, f), dtype=nl.float32, buffer=nl.shared_hbm)
     dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
-    for block, (t0, nt) in enumerate(_blocks(t, SWIGLU_TOKENS // P)):
+    for block, (t0, nt) in enumerate(_blocks(t, swiglu_tiles(t, d, _itemsize(x.dtype), backward=True))):
         rows = nt * P
         x_t = _load_transposed(x, t0, rows, d)
         dy_t = _load_transposed(dy, t0, rows, d)
