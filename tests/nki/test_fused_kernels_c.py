@@ -259,3 +259,60 @@ def test_prices_of_large_problems_extend_short_simulations_close_to_a_whole_one(
     for problem, seconds in zip(problems, whole):
         assert pricing.kernel_seconds(trn2, *problem, torch.bfloat16) == pytest.approx(seconds, rel=0.1)
         assert problem not in simulated and any(s[0] == problem[0] for s in simulated)
+
+
+def _mlp(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd).sum()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_substitution_fires_on_the_swiglu_mlp_unless_switched_off_or_unsupported(enabled, monkeypatch):
+    from torchneuron.compiler import patterns
+
+    monkeypatch.setenv("TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "1" if enabled else "0")
+    counts = []
+
+    def substituting(gm, example_inputs):  # the backend's first stage only, then the graph eagerly
+        counts.append(patterns.substitute(gm))
+        return gm.forward
+
+    _, wg, wu, wd, _ = _swiglu_problem(128, 128, 256, torch.float32)
+    for tokens, fires in ((128, enabled), (100, False)):  # 100 tokens: no kernel tile
+        x = torch.randn(tokens, 128)
+        torch._dynamo.reset()
+        out = torch.compile(_mlp, backend=substituting)(*(v.to("neuron") for v in (x, wg, wu, wd)))
+        assert counts[-1]["swiglu"] == int(fires)
+        torch.testing.assert_close(out.cpu(), _mlp(x, wg, wu, wd), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_tiny_llama_compiled_substitutes_its_mlps_and_matches_eager(monkeypatch):
+    import copy
+
+    from tests.models import tiny_llama
+    from torchneuron.compiler import patterns
+
+    monkeypatch.setenv("TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "1")
+    counts = []
+    substitute = patterns.substitute
+    monkeypatch.setattr(patterns, "substitute", lambda gm: counts.append(substitute(gm)) or counts[-1])
+    torch.manual_seed(0)
+    base = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4)
+    ids = torch.randint(0, 128, (2, 64))  # 128 tokens: the kernels' tile
+
+    def loss_and_grads(model, compiled):
+        device = next(model.parameters()).device
+        forward = torch.compile(model, backend="neuron") if compiled else model
+        loss = forward(input_ids=ids.to(device), labels=ids.to(device)).loss
+        loss.backward()
+        return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+    torch._dynamo.reset()
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(base), compiled=False)
+    moved = copy.deepcopy(base).to("neuron")
+    moved.tie_weights()
+    loss, grads = loss_and_grads(moved, compiled=True)
+    assert counts[0]["swiglu"] == 2  # one MLP a layer
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
