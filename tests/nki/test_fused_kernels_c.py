@@ -287,32 +287,11 @@ def test_substitution_fires_on_the_swiglu_mlp_unless_switched_off_or_unsupported
 
 @pytest.mark.slow
 def test_tiny_llama_compiled_substitutes_its_mlps_and_matches_eager(monkeypatch):
-    import copy
-
-    from tests.models import tiny_llama
-    from torchneuron.compiler import patterns
+    from tests.models import compiled_llama_against_eager, tiny_llama
 
     monkeypatch.setenv("TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "1")
-    counts = []
-    substitute = patterns.substitute
-    monkeypatch.setattr(patterns, "substitute", lambda gm: counts.append(substitute(gm)) or counts[-1])
     torch.manual_seed(0)
     base = tiny_llama(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4)
     ids = torch.randint(0, 128, (2, 64))  # 128 tokens: the kernels' tile
-
-    def loss_and_grads(model, compiled):
-        device = next(model.parameters()).device
-        forward = torch.compile(model, backend="neuron") if compiled else model
-        loss = forward(input_ids=ids.to(device), labels=ids.to(device)).loss
-        loss.backward()
-        return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
-
-    torch._dynamo.reset()
-    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(base), compiled=False)
-    moved = copy.deepcopy(base).to("neuron")
-    moved.tie_weights()
-    loss, grads = loss_and_grads(moved, compiled=True)
+    counts = compiled_llama_against_eager(base, ids, monkeypatch)
     assert counts[0]["swiglu"] == 2  # one MLP a layer
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
