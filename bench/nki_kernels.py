@@ -8,8 +8,9 @@ through a block table (Llama-8B-like heads: 32 query, 8 key/value, d 128, blocks
 256 keys), the MoE blockwise grouped matmul (8 blocks of 512 tokens, 4096 x 2048 expert
 weights), the fp8 scaled matmul (row-wise scales, bf16 out) at 4096 x 4096 x 4096 beside
 the bf16 `matmul_fully_blocked` kernel of the same size (--mnk), RoPE at 32 heads x 4096 x 128, cross-entropy at 4096 tokens x hidden 2048 x vocabulary
-32000 (fused with the lm_head, bf16; and over given fp32 logits), each against the eager ops
-they replace.
+32000 (fused with the lm_head, bf16; and over given fp32 logits), RMSNorm fused with the QKV
+projection at 4096 tokens x 4096 -> 6144 and Llama's SwiGLU MLP at 4096 x 4096 -> 14336 (--mlp
+tokens hidden intermediate; bf16, forward and backward), each against the eager ops they replace.
 
 Then a tiny Llama training step compiled for neuron with the RoPE / cross-entropy substitutions
 on and off (TORCHNEURON_COMPILE_ROPE_CE_KERNELS): modeled trn2 step time and host time, ratios.
@@ -22,10 +23,10 @@ target's FP8 roofline (the op's FLOPs at `peak_flops(float8_e4m3fn)`) and bf16 k
 kernel, the speedup over the bf16 matmul kernel row above it.
 
     python bench/nki_kernels.py [--target trn2] [--seq 8192] [--batch 32 --ctx 4096] [--mnk 4096] [--rows attention]
-                                [--llama-steps 5]
+                                [--qkv 4096 4096 6144] [--mlp 4096 4096 14336] [--llama-steps 5]
 
 `--rows` keeps the rows whose name contains one of the given words (e.g. `attention`, `bwd`,
-`decode`, `MoE`, `matmul`).
+`decode`, `MoE`, `matmul`, `RMSNorm`, `SwiGLU`); `--llama-steps 0` skips the tiny Llama.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from torchneuron.kernels import decode_attention as da
 from torchneuron.kernels import flash_attention as fa
 from torchneuron.kernels import fp8_matmul, matmul, moe
 from torchneuron.kernels import cross_entropy as ce
+from torchneuron.kernels import norm_mlp as nm
 from torchneuron.kernels import rope as rp
 
 from machine import describe
@@ -67,6 +69,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--mnk", type=int, default=4096, help="M = K = N of the matmul rows")
     ap.add_argument("--rows", nargs="*", default=None, help="run only rows whose name contains one of these")
+    ap.add_argument("--qkv", type=int, nargs=3, default=(4096, 4096, 6144), help="RMSNorm + linear: T D N")
+    ap.add_argument("--mlp", type=int, nargs=3, default=(4096, 4096, 14336), help="SwiGLU: T D F")
     ap.add_argument("--llama-steps", type=int, default=5, help="timed steps of the tiny Llama, per setting")
     a = ap.parse_args()
 
@@ -140,9 +144,12 @@ def main() -> None:
         print(f"{name:34s} {lat * 1e6:10.1f} us  TE busy {st.engine_busy_s.get('tensor', 0.0) / lat:6.1%}  "
               f"FP8 roofline {fp8_matmul.flops(s3, s3, s3) / (target.peak_flops(fp8) * lat):6.1%}  "
               f"bf16 kernel/fp8 kernel {bf16_st.latency_s / lat:5.2f}x")
-    _rope_ce_rows(target)
+    if wanted("RoPE CE"):
+        _rope_ce_rows(target)
+    _norm_mlp_rows(target, run, *a.qkv, *a.mlp)
     print(f"(simulated in {time.perf_counter() - t0:.1f} s of host time)")
-    _tiny_llama_step(a.llama_steps)
+    if a.llama_steps > 0:
+        _tiny_llama_step(a.llama_steps)
 
 
 def _eager_seconds(ops: list[tuple[str, list, list]], target) -> float:
@@ -181,6 +188,49 @@ def _rope_ce_rows(target) -> None:
     _row(f"CE fwd over {t}x{v} fp32 logits", st, 0.0, t * v * 4, _eager_seconds(ce_fwd, target), target)
     _, st = ce.ce_bwd.run(logit_args + grad_args, {}, target=target)
     _row(f"CE bwd over {t}x{v} fp32 logits", st, 0.0, 2 * t * v * 4, _eager_seconds(ce_bwd, target), target)
+
+
+def _norm_mlp_rows(target, run, t: int, d: int, n: int, mt: int, md: int, f: int) -> None:
+    """RMSNorm + QKV projection [t, d] -> [t, n] and the SwiGLU MLP [mt, md] -> F = f -> [mt, md], bf16,
+    against the eager ops of transformers' LlamaRMSNorm + nn.Linear and LlamaMLP."""
+    x, x32, col32, w = (BF16, (t, d)), (torch.float32, (t, d)), (torch.float32, (t, 1)), (BF16, (n, d))
+    y, wn = (BF16, (t, n)), (BF16, (d,))
+    norm = [("aten::_to_copy", [x], [x32]), ("aten::pow.Tensor_Scalar", [x32], [x32]),
+            ("aten::mean.dim", [x32], [col32]), ("aten::add.Scalar", [col32], [col32]),
+            ("aten::rsqrt", [col32], [col32]), ("aten::mul.Tensor", [x32, col32], [x32]),
+            ("aten::_to_copy", [x32], [x]), ("aten::mul.Tensor", [wn, x], [x])]
+    args = (nt.tensor[(t, d), BF16], nt.tensor[(1, d), BF16], nt.tensor[(n, d), BF16])
+    name = f"RMSNorm+QKV fwd {t}x{d}->{n} bf16"
+    _row(name, run(name, nm.rmsnorm_linear_fwd, args, {}), nm.rmsnorm_linear_flops(t, d, n),
+         nm.rmsnorm_linear_bytes(t, d, n, 2), _eager_seconds(norm + [("aten::mm", [x, (BF16, (d, n))], [y])], target),
+         target)
+    norm_bwd = [("aten::mul.Tensor", [x, x], [x]), ("aten::sum.dim_IntList", [x], [wn]),
+                ("aten::mul.Tensor", [x, wn], [x]), ("aten::_to_copy", [x], [x32]),
+                ("aten::mul.Tensor", [x32, col32], [x32]), ("aten::mul.Tensor", [x32, x32], [x32]),
+                ("aten::sum.dim_IntList", [x32], [col32]), ("aten::mul.Tensor", [x32, col32], [x32]),
+                ("aten::add.Tensor", [x32, x32], [x32]), ("aten::_to_copy", [x32], [x])]
+    mm_bwd = [("aten::mm", [y, w], [x]), ("aten::mm", [(BF16, (n, t)), x], [w])]
+    name = f"RMSNorm+QKV bwd {t}x{d}->{n} bf16"
+    _row(name, run(name, nm.rmsnorm_linear_bwd, args + (nt.tensor[(t, 1), torch.float32], nt.tensor[(t, n), BF16]), {}),
+         nm.rmsnorm_linear_flops(t, d, n, backward=True), nm.rmsnorm_linear_bytes(t, d, n, 2, backward=True),
+         _eager_seconds(mm_bwd + norm_bwd, target), target)
+    xm, h, wd = (BF16, (mt, md)), (BF16, (mt, f)), (BF16, (md, f))
+    mlp = [("aten::mm", [xm, (BF16, (md, f))], [h])] * 2 + [("aten::silu", [h], [h]), ("aten::mul.Tensor", [h, h], [h]),
+                                                           ("aten::mm", [h, (BF16, (f, md))], [xm])]
+    args = (nt.tensor[(mt, md), BF16], nt.tensor[(f, md), BF16], nt.tensor[(f, md), BF16], nt.tensor[(md, f), BF16])
+    name = f"SwiGLU fwd {mt}x{md}->{f} bf16"
+    _row(name, run(name, nm.swiglu_fwd, args, {}), nm.swiglu_flops(mt, md, f), nm.swiglu_bytes(mt, md, f, 2),
+         _eager_seconds(mlp, target), target)
+    # eager backward: gate and up saved, not recomputed; dh, dg, du elementwise, five matmuls
+    mlp_bwd = [("aten::mm", [xm, wd], [h]), ("aten::mm", [(BF16, (md, mt)), h], [wd]),
+               ("aten::mul.Tensor", [h, h], [h]), ("aten::mul.Tensor", [h, h], [h]),
+               ("aten::silu_backward", [h, h], [h])] + [("aten::mm", [h, (BF16, (f, md))], [xm]),
+                                                        ("aten::mm", [(BF16, (f, mt)), xm], [(BF16, (f, md))])] * 2 \
+        + [("aten::add.Tensor", [xm, xm], [xm])]
+    name = f"SwiGLU bwd {mt}x{md}->{f} bf16"
+    _row(name, run(name, nm.swiglu_bwd, args + (nt.tensor[(mt, md), BF16],), {}),
+         nm.swiglu_flops(mt, md, f, backward=True), nm.swiglu_bytes(mt, md, f, 2, backward=True),
+         _eager_seconds(mlp_bwd, target), target)
 
 
 def _tiny_llama_step(steps: int) -> None:

@@ -52,6 +52,10 @@ from torchneuron.kernels.pricing_rope_ce import install as _install_rope_ce_pric
 
 _install_rope_ce_pricing()  # so are the RoPE and linear cross-entropy ops
 
+from torchneuron.kernels.pricing_norm_mlp import install as _install_norm_mlp_pricing  # noqa: E402
+
+_install_norm_mlp_pricing()  # and the RMSNorm + projection and SwiGLU ops
+
 from torchneuron.eager import configure_from_env as _configure_eager, set_eager_mode  # noqa: E402
 
 _configure_eager()  # TORCHNEURON_EAGER_MODE=adaptive

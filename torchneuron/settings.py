@@ -124,7 +124,7 @@ class Settings:
     compile_rope_ce_kernels: bool = variable(
         "TORCHNEURON_COMPILE_ROPE_CE_KERNELS", False,
         "`1` (experimental): torch.compile substitutes NKI-lib's RoPE and (fused linear +) cross-entropy kernels "
-        "for rotary embeddings and cross-entropy (off by default: at tiny model sizes the kernels' fixed costs "
+        "for rotary embeddings and cross-entropy, and its SwiGLU kernels for Llama's MLP, (off by default: at tiny model sizes the kernels' fixed costs "
         "make the modeled step slower than the plan's fused generic ops)")
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,

@@ -39,3 +39,33 @@ def tiny_gpt2(**config: Any) -> torch.nn.Module:
     otherwise)."""
     transformers = pytest.importorskip("transformers")
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**_TINY_GPT2, **config}))
+
+
+def compiled_llama_against_eager(base: torch.nn.Module, ids: torch.Tensor, monkeypatch: Any) -> list[dict[str, int]]:
+    """Trains one step of a copy of the causal LM `base` on the CPU eagerly and one of a copy on
+    neuron compiled with backend "neuron" (labels = ids), asserts the losses and every
+    parameter's gradient agree, and returns the substitution counts of each captured graph."""
+    import copy
+
+    from torchneuron.compiler import patterns
+
+    counts: list[dict[str, int]] = []
+    substitute = patterns.substitute
+    monkeypatch.setattr(patterns, "substitute", lambda gm: counts.append(substitute(gm)) or counts[-1])
+
+    def loss_and_grads(model: torch.nn.Module, compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        device = next(model.parameters()).device
+        forward = torch.compile(model, backend="neuron") if compiled else model
+        loss = forward(input_ids=ids.to(device), labels=ids.to(device)).loss
+        loss.backward()
+        return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+    torch._dynamo.reset()
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(base), compiled=False)
+    moved = copy.deepcopy(base).to("neuron")
+    moved.tie_weights()
+    loss, grads = loss_and_grads(moved, compiled=True)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    return counts

@@ -1,7 +1,6 @@
 """NKI-lib RoPE and cross-entropy kernels (kernels/rope.py, kernels/cross_entropy.py) against torch:
 the kernels simulated on data, their ops forward and backward (host path and kernel), their
 prices, fake tensors, bad input, and the compiler's substitution on a tiny Llama."""
-import copy
 
 import pytest
 import torch
@@ -258,33 +257,14 @@ def test_compiled_rope_and_fused_head_match_eager_forward_and_backward():
 
 @pytest.mark.slow
 def test_tiny_llama_compiled_substitutes_rope_and_cross_entropy_and_matches_eager(monkeypatch):
-    from tests.models import tiny_llama
-    from torchneuron.compiler import patterns
+    from tests.models import compiled_llama_against_eager, tiny_llama
 
     monkeypatch.setenv("TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "1")
-    counts = []
-    substitute = patterns.substitute
-    monkeypatch.setattr(patterns, "substitute", lambda gm: counts.append(substitute(gm)) or counts[-1])
     torch.manual_seed(0)
     base = tiny_llama()
     ids = torch.randint(0, 128, (8, 16))  # 128 tokens: the cross-entropy kernels' tile
-
-    def loss_and_grads(model, compiled):
-        device = next(model.parameters()).device
-        forward = torch.compile(model, backend="neuron") if compiled else model
-        loss = forward(input_ids=ids.to(device), labels=ids.to(device)).loss
-        loss.backward()
-        return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
-
-    torch._dynamo.reset()
-    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(base), compiled=False)
-    moved = copy.deepcopy(base).to("neuron")
-    moved.tie_weights()
-    loss, grads = loss_and_grads(moved, compiled=True)
+    counts = compiled_llama_against_eager(base, ids, monkeypatch)
     assert counts[0]["rope"] == 4 and counts[0]["cross_entropy"] == 1  # q and k of two layers; the loss
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_prices_of_large_problems_extend_short_simulations_close_to_a_whole_one(monkeypatch):

@@ -9,7 +9,8 @@ query attention, one head size for queries, keys and values, on float32/bfloat16
 neuron tensors, with a causal flag or an
 additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`; transformers'
 MoE `transformers::grouped_mm_fallback` on neuron -> `torchneuron::grouped_mm` (patterns_moe.py);
-RoPE and cross-entropy (patterns_rope_ce.py, opt-in) -> NKI-lib's kernels.
+RoPE and cross-entropy (patterns_rope_ce.py, opt-in) and Llama's SwiGLU MLP (patterns_norm_mlp.py, opt-in
+under the same switch) -> NKI-lib's kernels.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from torchneuron.compiler import host_stand_ins  # noqa: F401  (defines the torchneuron:: ops)
 from torchneuron.compiler import patterns_moe
-from torchneuron.compiler import patterns_rope_ce
+from torchneuron.compiler import patterns_norm_mlp, patterns_rope_ce
 from torchneuron.compiler.substitution import FLOAT_TYPES, Substitution  # noqa: F401  (part of this API)
 from torchneuron.compiler.substitution import example_value as _example
 
@@ -91,7 +92,7 @@ SUBSTITUTIONS: list[Substitution] = [
     Substitution("flash_attention", _is_flash_attention, _rewrite_flash_attention),
     Substitution("grouped_mm", patterns_moe.is_grouped_mm_fallback, patterns_moe.rewrite_grouped_mm_fallback),
 ]
-SUBSTITUTIONS += patterns_rope_ce.SUBSTITUTIONS
+SUBSTITUTIONS += patterns_rope_ce.SUBSTITUTIONS + patterns_norm_mlp.SUBSTITUTIONS
 
 
 def _erase_unused(graph: torch.fx.Graph, nodes: list[Node]) -> None:

@@ -20,6 +20,7 @@ _CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
     # NKI-lib kernels with no aten counterpart, priced by simulating them (kernels/pricing_rope_ce.py)
     "nki_rope": split_names("rope"),
     "nki_linear_cross_entropy": split_names("linear_ce_fwd linear_ce_bwd ce_fwd ce_bwd"),
+    "nki_norm_mlp": split_names("rmsnorm_linear_fwd rmsnorm_linear_bwd swiglu_fwd swiglu_bwd"),  # pricing_norm_mlp.py
     "matmul": split_names("mm addmm bmm baddbmm matmul linear _addmm_activation addbmm addmv mv dot",
                      "vdot outer ger _scaled_mm inner tensordot"),
     "conv": split_names("convolution convolution_overrideable _convolution conv1d conv2d conv3d",
