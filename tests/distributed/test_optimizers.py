@@ -147,7 +147,7 @@ def trained(request, pool2):
     on_gloo = [i for i, (name, _) in enumerate(CASES) if (kind, name) in GAPS or name in VERSUS_GLOO]
     neuron = pool2.run(_job, (kind, CASES), timeout=280)
     cases = [(CASES[i][0], _cpu_variant(CASES[i][1])) for i in on_gloo]
-    gloo = pool2.run(_job, (kind, cases, "cpu"), timeout=120)[0] if on_gloo else {}
+    gloo = pool2.run(_job, (kind, cases, "cpu"), timeout=280)[0] if on_gloo else {}
     return kind, neuron, {i: gloo[j] for j, i in enumerate(on_gloo)}
 
 
