@@ -224,19 +224,12 @@ def _problem_on_neuron():
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_substitution_fires_on_rope_and_the_fused_head_unless_switched_off(enabled, monkeypatch):
-    from torchneuron.compiler import patterns
-
-    monkeypatch.setenv("TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "1" if enabled else "0")
-    counts = []
-
-    def substituting(gm, example_inputs):  # the backend's first stage only, then the graph eagerly
-        counts.append(patterns.substitute(gm))
-        return gm.forward
+def test_substitution_fires_on_rope_and_the_fused_head_unless_switched_off(enabled, substituting):
+    backend, counts = substituting(enabled)
 
     cpu, args = _problem_on_neuron()
     torch._dynamo.reset()
-    loss = torch.compile(_rope_and_loss, backend=substituting)(*args)
+    loss = torch.compile(_rope_and_loss, backend=backend)(*args)
     expected = 1 if enabled else 0
     assert counts[0]["rope"] == expected and counts[0]["cross_entropy"] == expected
     torch.testing.assert_close(loss.cpu(), _rope_and_loss(*cpu), **TOL[torch.float32])

@@ -266,21 +266,14 @@ def _mlp(x, wg, wu, wd):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_substitution_fires_on_the_swiglu_mlp_unless_switched_off_or_unsupported(enabled, monkeypatch):
-    from torchneuron.compiler import patterns
-
-    monkeypatch.setenv("TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "1" if enabled else "0")
-    counts = []
-
-    def substituting(gm, example_inputs):  # the backend's first stage only, then the graph eagerly
-        counts.append(patterns.substitute(gm))
-        return gm.forward
+def test_substitution_fires_on_the_swiglu_mlp_unless_switched_off_or_unsupported(enabled, substituting):
+    backend, counts = substituting(enabled)
 
     _, wg, wu, wd, _ = _swiglu_problem(128, 128, 256, torch.float32)
     for tokens, fires in ((128, enabled), (100, False)):  # 100 tokens: no kernel tile
         x = torch.randn(tokens, 128)
         torch._dynamo.reset()
-        out = torch.compile(_mlp, backend=substituting)(*(v.to("neuron") for v in (x, wg, wu, wd)))
+        out = torch.compile(_mlp, backend=backend)(*(v.to("neuron") for v in (x, wg, wu, wd)))
         assert counts[-1]["swiglu"] == int(fires)
         torch.testing.assert_close(out.cpu(), _mlp(x, wg, wu, wd), atol=1e-4, rtol=1e-5)
 
