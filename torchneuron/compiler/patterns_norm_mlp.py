@@ -30,12 +30,16 @@ from torchneuron.nki import typing as nt
 SILU = (F.silu, torch._C._nn.silu)
 
 
+def _linear_bias(node: Node) -> Any:
+    """The bias argument of an F.linear call node (None when it has none)."""
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+
 def _bias_free_linear(node: Any) -> tuple[Any, Any] | None:
     """(input, weight) of F.linear(input, weight) without bias read by one node only, else None."""
-    if not _call(node, LINEAR) or len(node.users) != 1:
+    if not _call(node, LINEAR) or len(node.users) != 1 or _linear_bias(node) is not None:
         return None
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return None if bias is not None else (node.args[0], node.args[1])
+    return node.args[0], node.args[1]
 
 
 def _silu_input(node: Any) -> Any:
@@ -50,9 +54,8 @@ def swiglu_operands(node: Node) -> tuple[Node, Node, Node, Node] | None:
     """(x, Wg, Wu, Wd) when node is F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)."""
     if not _call(node, LINEAR):
         return None
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     product, wd = node.args[0], node.args[1]
-    if bias is not None or not _call(product, MUL) or len(product.users) != 1 or len(product.args) != 2 \
+    if _linear_bias(node) is not None or not _call(product, MUL) or len(product.users) != 1 or len(product.args) != 2 \
             or product.kwargs:
         return None
     for gated, up in (product.args, product.args[::-1]):

@@ -23,11 +23,11 @@ from ..hardware.targets import Target
 from ..nki import typing as nt
 from . import norm_mlp as nm
 from .pricing_rope_ce import _extend
+from .rope_ce_ops import FLOAT_TYPES
 
 SIM_MATMUL_TILES = 4096          # 128 x 128 x 512 matmul tiles up to which a kernel is simulated whole
 FIT_OUTPUTS = (2048, 4096)   # narrower runs are not yet linear in N (T=512, D=256 bwd: +9 us 1k->2k, +22 us 2k->4k)
 FIT_INTERMEDIATE = (512, 1024)
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.lru_cache(maxsize=256)
@@ -75,7 +75,7 @@ def kernel_seconds(target: Target, name: str, t: int, d: int, n: int, dtype: tor
 def norm_mlp_seconds(target: Target, name: str, ins: Sequence, outs: Sequence) -> float | None:
     """The pricer of the four ops (their tensor operands in order): None for operands the kernels
     refuse."""
-    if len(ins) < 3 or ins[0][0] not in _FLOATS or any(dtype != ins[0][0] for dtype, _ in ins[:3]):
+    if len(ins) < 3 or ins[0][0] not in FLOAT_TYPES or any(dtype != ins[0][0] for dtype, _ in ins[:3]):
         return None
     placeholders = [nt.tensor[shape, dtype] for dtype, shape in ins]
     try:
