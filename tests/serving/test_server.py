@@ -165,16 +165,21 @@ def test_prefix_cache_hits_show_in_metrics(server):
 
 
 def test_client_disconnect_frees_kv_blocks(server):
+    """A stream whose client goes away is aborted: it stops generating well before max_tokens and its KV
+    blocks return to the free pool. (Not a read of `num_requests_running` while the stream is open: vLLM
+    updates that gauge after it has already sent the step's event, so a read right after the first event can
+    still see the previous step's 0.)"""
     import http.client
 
+    max_tokens = 250  # all the context the server allows (256) after the prompt
+    generated_before = server.metric("vllm:generation_tokens_total")
     conn = http.client.HTTPConnection(HOST, server.port, timeout=60)
-    body = json.dumps({"model": server.name, "prompt": "one two three", "max_tokens": 200, "stream": True,
+    body = json.dumps({"model": server.name, "prompt": "one two three", "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
-    response.fp.readline()  # the first event: the request holds KV blocks now
-    assert server.metric("vllm:num_requests_running") >= 1
+    assert response.readline().startswith(b"data: ")  # the first event: the request holds KV blocks now
     conn.sock.close()
     conn.close()
     deadline = time.time() + 60
@@ -184,6 +189,8 @@ def test_client_disconnect_frees_kv_blocks(server):
         time.sleep(0.5)
     assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0  # every block back in the free pool
+    generated = server.metric("vllm:generation_tokens_total") - generated_before
+    assert 1 <= generated < max_tokens  # aborted on disconnect, not run to max_tokens
 
 
 @pytest.mark.slow
