@@ -86,6 +86,14 @@ class Server:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def metric_reaches(self, name: str, at_least: float, timeout_s: float = 15.0) -> float:
+        """The metric once it reaches `at_least` (or its value at the timeout): vLLM records a step's
+        metrics after it has sent the step's outputs, so a read right after a response can be one step old."""
+        deadline = time.time() + timeout_s
+        while (value := self.metric(name)) < at_least and time.time() < deadline:
+            time.sleep(0.2)
+        return value
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
@@ -158,10 +166,10 @@ def test_prefix_cache_hits_show_in_metrics(server):
     before = server.metric("vllm:prefix_cache_hits_total")
     for suffix in (" first", " second"):
         server.client.completions.create(model=server.name, prompt=prefix + suffix, max_tokens=2)
-    assert server.metric("vllm:prefix_cache_hits_total") - before >= 32
+    assert server.metric_reaches("vllm:prefix_cache_hits_total", before + 32) - before >= 32
     text = server.get("/metrics")[1]
     assert 'torchneuron:modeled_ttft_seconds_count{target="trn2"}' in text
-    assert server.metric("torchneuron:modeled_tpot_seconds_count") > 0
+    assert server.metric_reaches("torchneuron:modeled_tpot_seconds_count", 1) > 0
 
 
 def test_client_disconnect_frees_kv_blocks(server):
