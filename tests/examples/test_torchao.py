@@ -237,3 +237,31 @@ def test_compiled_float8_linear_is_modeled_faster_than_bf16_when_matmul_bound():
                for target in ("trn2", "trn3")}
     assert 1.3 < speedup["trn2"] < 2.0 and speedup["trn2"] < speedup["trn3"] < 4.0
     assert seconds(False, "trn2", 64, 64) <= seconds(True, "trn2", 64, 64)
+
+
+def test_only_torchaos_cuda_library_warnings_are_silenced_on_a_cpu_torch():
+    """torchao logs "Failed to load" for its CUDA-only kernel libraries on every import (transformers
+    imports it on each model load); on a torch without CUDA those records, and only those, are dropped."""
+    import logging
+
+    torchao_logger = logging.getLogger("torchao")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    torchao_logger.addHandler(handler)
+    try:
+        site = "/venv/lib/python3.11/site-packages/torchao"
+        torchao_logger.warning(f"Failed to load {site}/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load")
+        torchao_logger.warning(f"Failed to load {site}/_C_cutlass_90a.abi3.so: Could not load")
+        torchao_logger.warning(f"Failed to load {site}/_C_new_cpu_kernels.so: Could not load")
+        torchao_logger.warning("an unrelated torchao warning")
+    finally:
+        torchao_logger.removeHandler(handler)
+    if torch.version.cuda is None:
+        assert records == [f"Failed to load {site}/_C_new_cpu_kernels.so: Could not load", "an unrelated torchao warning"]
+    else:
+        assert len(records) == 4

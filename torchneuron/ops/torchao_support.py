@@ -22,11 +22,18 @@ recipes) works unchanged.
 with the hardware check answered for the NeuronCore; every other module goes to torchao's
 handler untouched. torchao's source is not modified. Installed when torchao's quantization API
 is first imported (an import hook), or at once when it already is.
+
+torchao's wheel also ships CUDA-only kernel libraries (`_C_mxfp8*.so`, `_C_cutlass_90a*.so`, linked
+against libtorch_cuda). On a CPU build of torch they cannot load, and torchao logs a warning for each
+at import, which transformers triggers on every model load: `quiet_cuda_library_warnings()` drops
+exactly those records when torch has no CUDA; every other torchao message is kept.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import logging
+import re
 import importlib.machinery
 import sys
 import threading
@@ -134,8 +141,28 @@ class _InstallAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+_CUDA_ONLY_LIBRARY = re.compile(r"Failed to load .*/torchao/_C_(mxfp8|cutlass)[^/]*\.so")
+
+
+class _CudaOnlyLibraryFilter(logging.Filter):
+    """Drops torchao's "Failed to load" records of its CUDA-only kernel libraries."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _CUDA_ONLY_LIBRARY.match(record.getMessage())
+
+
+def quiet_cuda_library_warnings() -> None:
+    """On a torch built without CUDA, silence torchao's import warnings for its CUDA-only libraries."""
+    if torch.version.cuda is not None:
+        return
+    torchao_logger = logging.getLogger("torchao")
+    if not any(isinstance(f, _CudaOnlyLibraryFilter) for f in torchao_logger.filters):
+        torchao_logger.addFilter(_CudaOnlyLibraryFilter())
+
+
 def install_when_imported() -> None:
     """`install()` now if torchao's quantization API is loaded, else as soon as it is."""
+    quiet_cuda_library_warnings()
     if _MODULE in sys.modules:
         install()
     elif not any(isinstance(f, _InstallAfterImport) for f in sys.meta_path):
