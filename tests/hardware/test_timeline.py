@@ -79,3 +79,45 @@ def test_recording_switch(monkeypatch, value, enabled):
     else:
         monkeypatch.setenv("TORCHNEURON_TIMELINE", value)
     assert tl.recording_enabled() is enabled
+
+
+def test_a_batch_listener_gets_a_drain_as_the_entries_a_plain_listener_sees():
+    """A drain too big for the per-record path (work on two streams, split by an event) reaches a
+    listener that takes batches as one EntryBatch: the same entries, clocks and metadata a plain
+    listener gets one by one, in the records' order; the stream clocks are those enqueue gives."""
+    import torch
+
+    from torchneuron.hardware import worklog
+
+    x = torch.ones(8, device="neuron")
+    side = torch.neuron.Stream()
+    worklog.drain()
+    plain: list[TimelineEntry] = []
+    batches: list[tl.EntryBatch] = []
+
+    def batch_fn(entry):  # a second listener, whose drains arrive as batches
+        raise AssertionError("work-log entries must arrive as a batch")
+
+    tl.add_listener(plain.append)
+    tl.add_listener(batch_fn, batches=batches.append)
+    try:
+        for i in range(150):
+            x.add_(1)
+            if i == 70:
+                with torch.neuron.stream(side):
+                    x.mul_(2).sub_(1)
+                torch.neuron.current_stream().wait_stream(side)
+        worklog.drain()
+    finally:
+        tl.remove_listener(plain.append)
+        tl.remove_listener(batch_fn)
+    assert len(batches) == 1 and len(batches[0]) == len(plain) == 152
+    batch = batches[0]
+    assert [(e.device, e.stream, e.name, e.start_s, e.end_s, e.cost, e.meta) for e in plain] == [
+        (e.device, e.stream, e.name, e.start_s, e.end_s, e.cost, e.meta) for e in batch.entries()]
+    assert batch.record == sorted(batch.record) and batch.meta[0] == {"fallback": False, "kind": "op"}
+    main_stream = [e for e in plain if e.stream == plain[0].stream]
+    for before, after in zip(main_stream, main_stream[1:]):  # back to back, or after the wait
+        assert after.start_s >= before.end_s
+    assert sum(e.name == "aten::mul_.Tensor" or e.name.startswith("aten::mul") for e in plain) == 1
+    assert tl.get_timeline(x.device.index).now(plain[-1].stream) == plain[-1].end_s

@@ -2,7 +2,9 @@
 
 This module owns `DeviceTimeline` (one per device index), the registry of timelines, and the
 listener API through which the profiler and `estimate()` observe every piece of work charged
-to any timeline.
+to any timeline. A listener sees entries one by one, or, when it registers a batch function, the
+work-log records of one drain as one `EntryBatch` of columns (no object per entry: the profiler's
+cost per recorded op).
 
 Semantics:
 - Each stream is an in-order queue with its own clock in seconds of device time. Work
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import numpy as np
 
 from torchneuron import settings
 
@@ -30,6 +34,7 @@ from .model import Cost
 __all__ = [
     "DeviceTimeline",
     "TimelineEntry",
+    "EntryBatch",
     "get_timeline",
     "all_timelines",
     "reset_all",
@@ -60,19 +65,61 @@ class TimelineEntry:
         return self.end_s - self.start_s
 
 
+@dataclass(frozen=True, slots=True)
+class EntryBatch:
+    """Work-log records charged by one drain, as columns: entry i ran on `device[i]`, `stream[i]`
+    from `start_s[i]` to `end_s[i]` at `cost[i]`, named `name[i]`; `record[i]` is its index among
+    the drained records and `meta[i]` its TimelineEntry metadata. In the records' order."""
+
+    device: list[int]
+    stream: list[int]
+    name: list[str]
+    start_s: list[float]
+    end_s: list[float]
+    cost: list[Cost]
+    meta: list[dict[str, Any]]
+    record: list[int]
+
+    def __len__(self) -> int:
+        return len(self.record)
+
+    def entries(self) -> Iterator[TimelineEntry]:
+        """The batch as TimelineEntry objects, in order."""
+        for i in range(len(self.record)):
+            yield TimelineEntry(self.device[i], self.stream[i], self.name[i], self.start_s[i], self.end_s[i],
+                                self.cost[i], dict(self.meta[i]))
+
+
 Listener = Callable[[TimelineEntry], None]
+BatchListener = Callable[[EntryBatch], None]
 
 # Listeners of all timelines. Replaced (never mutated) on add/remove, so enqueue can read it
 # without a lock and an empty tuple costs one truth test.
 _listeners: tuple[Listener, ...] = ()
+_batch_listeners: dict[Listener, BatchListener] = {}
 _listeners_lock = threading.Lock()
 
 
-def add_listener(fn: Listener) -> None:
-    """Call `fn(entry)` for every entry enqueued on any timeline from now on."""
+def add_listener(fn: Listener, batches: BatchListener | None = None) -> None:
+    """Call `fn(entry)` for every entry enqueued on any timeline from now on; with `batches`,
+    the work-log records of a drain reach `batches(EntryBatch)` instead, in one call."""
     global _listeners
     with _listeners_lock:
         _listeners = _listeners + (fn,)
+        if batches is not None:
+            _batch_listeners[fn] = batches
+
+
+def deliver(batch: EntryBatch) -> None:
+    """Hands the entries of one drain to every listener: as the batch where it takes batches,
+    else entry by entry."""
+    for fn in _listeners:
+        batches = _batch_listeners.get(fn)
+        if batches is not None:
+            batches(batch)
+        else:
+            for entry in batch.entries():
+                fn(entry)
 
 
 def has_listeners() -> bool:
@@ -87,6 +134,8 @@ def remove_listener(fn: Listener) -> None:
         if fn in listeners:
             listeners.remove(fn)
         _listeners = tuple(listeners)
+        if fn not in _listeners:
+            _batch_listeners.pop(fn, None)
 
 
 # Producers of device work that is recorded but not yet priced (the runtime's work log). Readers
@@ -150,6 +199,19 @@ class DeviceTimeline:
                 self._engine_busy[engine] = self._engine_busy.get(engine, 0.0) + busy
             self._entries += count
         return end
+
+    def advance_each(self, stream_id: int, durations: np.ndarray, engine_busy: dict[str, float]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Charge back-to-back items of the given durations (seconds) to a stream at once and return
+        their (starts, ends), the clocks `enqueue` would give one by one. No listener sees them: the
+        caller delivers them (`deliver`)."""
+        with self._lock:
+            clocks = np.cumsum(np.concatenate(([self._clocks.get(stream_id, self._floor)], durations)))
+            self._clocks[stream_id] = float(clocks[-1])
+            for engine, busy in engine_busy.items():
+                self._engine_busy[engine] = self._engine_busy.get(engine, 0.0) + busy
+            self._entries += len(durations)
+        return clocks[:-1], clocks[1:]
 
     def now(self, stream_id: int) -> float:
         """The stream's clock: when its last enqueued work ends."""

@@ -22,7 +22,7 @@ from torchneuron.hardware.timeline import add_pending_source
 from torchneuron.runtime.extension import runtime_ops
 from torchneuron.runtime.worklog import (
     COPY, DEVICE_TO_DEVICE, EVENT_RECORD, EVENT_WAIT, FALLBACK, HOST_TO_DEVICE, RECORD, SYNC_DEVICE, SYNC_EVENT,
-    SYNC_STREAM, check_layout, is_enabled, op_name, set_enabled, signature, take,
+    SYNC_STREAM, check_layout, is_enabled, op_name, op_names, set_enabled, signature, take,
 )
 
 __all__ = ["add_drain_hook", "charge", "drain", "event_elapsed_ms", "install", "is_enabled", "remove_drain_hook",
@@ -107,25 +107,27 @@ def drain() -> None:
     is_work = records["kind"] <= COPY
     work_index = np.flatnonzero(is_work)
     priced, inverse = _price_unique(records if len(work_index) == len(records) else records[work_index])
-    if device_timeline.has_listeners():
-        _replay_all(records, work_index, priced, inverse, device_timeline)
-        return
-    # No listener: charge each run of work between control records per stream, in bulk.
+    # Charge each run of work between control records per stream, in bulk; listeners get the
+    # entries as one EntryBatch at the end (each entry's clocks are the ones enqueue would give).
     durations = np.zeros(len(records))
     durations[work_index] = np.array([c.duration_s for c in priced])[inverse]
     engines = sorted({c.engine for c in priced})
     engine_of = np.full(len(records), -1)
     engine_of[work_index] = np.array([engines.index(c.engine) for c in priced])[inverse]
     lanes = records["device"].astype(np.int64) * 1_000_003 + records["stream"]
+    charged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = [] if device_timeline.has_listeners() else None
     control = np.flatnonzero(~is_work).tolist()
     begin = 0
     for stop in control + [len(records)]:
         if stop > begin:
-            _charge_run(records[begin:stop], lanes[begin:stop], durations[begin:stop], engine_of[begin:stop],
-                        engines, device_timeline)
+            _charge_run(records, begin, stop, lanes, durations, engine_of, engines, device_timeline, charged)
         if stop < len(records):
             _replay(records[stop], None, device_timeline)
         begin = stop + 1
+    if charged:
+        cost_index = np.full(len(records), -1)
+        cost_index[work_index] = inverse
+        device_timeline.deliver(_entry_batch(records, charged, priced, cost_index))
 
 
 # Below this many records, numpy's per-call overhead outweighs vectorising: price and apply each
@@ -196,26 +198,42 @@ def _advance_runs(runs: dict[tuple[int, int], list], device_timeline: Any) -> No
     runs.clear()
 
 
-def _charge_run(records: np.ndarray, lanes: np.ndarray, durations: np.ndarray, engine_of: np.ndarray,
-                engines: list[str], device_timeline: Any) -> None:
-    for lane in np.unique(lanes).tolist():
-        mask = lanes == lane
-        first = int(np.argmax(mask))
-        busy = np.bincount(engine_of[mask], weights=durations[mask], minlength=len(engines))
-        device_timeline.get_timeline(int(records["device"][first])).advance(
-            int(records["stream"][first]), float(durations[mask].sum()),
-            {engines[e]: float(b) for e, b in enumerate(busy) if b}, int(mask.sum()))
+def _charge_run(records: np.ndarray, begin: int, stop: int, lanes: np.ndarray, durations: np.ndarray,
+                engine_of: np.ndarray, engines: list[str], device_timeline: Any,
+                charged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None) -> None:
+    """Charges records[begin:stop] (work only) to their streams, one clock advance per stream; with
+    `charged` (listeners wait), each record's clocks are kept there as (indices, starts, ends)."""
+    run_lanes = lanes[begin:stop]
+    for lane in np.unique(run_lanes).tolist():
+        index = begin + np.flatnonzero(run_lanes == lane)
+        first = int(index[0])
+        lane_durations = durations[index]
+        busy = np.bincount(engine_of[index], weights=lane_durations, minlength=len(engines))
+        engine_busy = {engines[e]: float(b) for e, b in enumerate(busy) if b}
+        timeline = device_timeline.get_timeline(int(records["device"][first]))
+        stream = int(records["stream"][first])
+        if charged is None:
+            timeline.advance(stream, float(lane_durations.sum()), engine_busy, len(index))
+        else:
+            starts, ends = timeline.advance_each(stream, lane_durations, engine_busy)
+            charged.append((index, starts, ends))
 
 
-def _replay_all(records: np.ndarray, work_index: np.ndarray, priced: list[Any], inverse: np.ndarray,
-                device_timeline: Any) -> None:
-    """Applies every record to its timeline one by one, in order (listeners see each entry)."""
-    cost_index = np.full(len(records), -1)
-    cost_index[work_index] = inverse
-    columns = zip(records["kind"].tolist(), records["device"].tolist(), records["stream"].tolist(),
-                  records["op_id"].tolist(), records["flags"].tolist(), records["aux"].tolist(), cost_index.tolist())
-    for kind, device, stream, op_id, flags, aux, j in columns:
-        _apply(kind, device, stream, op_id, flags, aux, priced[j] if j >= 0 else None, device_timeline)
+def _entry_batch(records: np.ndarray, charged: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 priced: list[Any], cost_index: np.ndarray) -> device_timeline.EntryBatch:
+    """The charged work records as one EntryBatch, in the records' order."""
+    index = np.concatenate([c[0] for c in charged])
+    order = np.argsort(index, kind="stable")
+    index = index[order]
+    kinds, flags = records["kind"][index].tolist(), (records["flags"][index] & FALLBACK).tolist()
+    return device_timeline.EntryBatch(
+        device=records["device"][index].tolist(), stream=records["stream"][index].tolist(),
+        name=op_names(records["op_id"][index].tolist()),
+        start_s=np.concatenate([c[1] for c in charged])[order].tolist(),
+        end_s=np.concatenate([c[2] for c in charged])[order].tolist(),
+        cost=[priced[j] for j in cost_index[index].tolist()],
+        meta=[_META["copy" if kind == COPY else "op", bool(fallback)] for kind, fallback in zip(kinds, flags)],
+        record=index.tolist())
 
 
 def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:

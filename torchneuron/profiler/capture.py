@@ -41,7 +41,9 @@ from torchneuron.hardware.targets import get_target
 from torchneuron.hardware import worklog
 from torchneuron.profiler.attribution import build_events
 from torchneuron.profiler.events import DeviceEvent, MemorySample
+from torchneuron.runtime import _C as fast  # the runtime's entry points for per-call Python code
 from torchneuron.runtime.extension import runtime_ops
+from torchneuron.runtime.worklog import op_names
 
 __all__ = ["DeviceEvent", "DeviceCapture", "MemorySample", "active_capture"]
 
@@ -52,10 +54,11 @@ MAX_EVENTS = settings.current().profiler_max_events
 # Stack walking
 # ------------------------------------------------------------------------------------------------
 _INTERNAL, _USER, _OPTIM = 0, 1, 2
-# Keyed by id(code), not by the code object: hashing a code object rehashes its bytecode, names
-# and constants every time (about 2 us for nn.Module._call_impl), once per frame per record.
-# The code objects are kept alive here, so their ids are never reused while they are keys.
-_code_class: dict[int, int] = {}
+# id(code) -> (class, name of a `forward` function's first argument or None). Keyed by id(code),
+# not by the code object: hashing a code object rehashes its bytecode, names and constants every
+# time (about 2 us for nn.Module._call_impl), once per frame per record. The code objects are kept
+# alive here, so their ids are never reused while they are keys.
+_code_info: dict[int, tuple[int, str | None]] = {}
 _code_refs: list[Any] = []
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -65,7 +68,8 @@ _SITE_DIRS = tuple({sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_pat
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
 
 
-def _classify_code(code: Any) -> int:
+def _classify_code(code: Any) -> tuple[int, str | None]:
+    """(class, self argument of a `forward`) of a code object, stored in _code_info."""
     path = code.co_filename
     if path.startswith(_OPTIM_DIR):
         cls = _OPTIM
@@ -76,9 +80,15 @@ def _classify_code(code: Any) -> int:
         cls = _INTERNAL
     else:
         cls = _USER
-    _code_class[id(code)] = cls
+    info = (cls, code.co_varnames[0] if code.co_name == "forward" and code.co_argcount else None)
+    _code_info[id(code)] = info
     _code_refs.append(code)
-    return cls
+    return info
+
+
+def _code_class(code: Any) -> int:
+    info = _code_info.get(id(code))
+    return (info or _classify_code(code))[0]
 
 
 _Module = torch.nn.Module
@@ -87,34 +97,14 @@ _next_sequence_nr = torch._C._autograd._get_sequence_nr
 _NO_SEQUENCE = 2**63
 _time_ns = time.time_ns
 _get_ident = threading.get_ident
+_stack_where = fast.stack_where
 
 
 def _where(frame: Any) -> tuple:
-    """(code, line, innermost module, outermost module, in_optimizer) of the Python stack."""
-    user_code = None
-    line = 0
-    inner = outer = None
-    optim = False
-    f = frame
-    get = _code_class.get
-    while f is not None:
-        code = f.f_code
-        cls = get(id(code))
-        if cls is None:
-            cls = _classify_code(code)
-        if user_code is None:
-            if cls == _USER:
-                user_code, line = code, f.f_lineno
-            elif cls == _OPTIM:
-                optim = True
-        if code.co_name == "forward" and code.co_argcount:
-            module = f.f_locals.get(code.co_varnames[0])
-            if isinstance(module, _Module):
-                if inner is None:
-                    inner = module
-                outer = module
-        f = f.f_back
-    return user_code, line, inner, outer, optim
+    """(code, line, innermost module, outermost module, in_optimizer) of the Python stack: the
+    innermost user frame's code and line, the nn.Modules of the `forward` frames around it, and
+    whether a torch.optim frame lies below the user frame. Walked in C++ (runtime/csrc/stack_where.cpp)."""
+    return _stack_where(frame, _code_info, _classify_code, _Module)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,7 +155,7 @@ class _Store:
             where = _where(frame)
             code, line, inner, outer, optim = where
             self._last_where = self._interned.setdefault((id(code), line, id(inner), id(outer), optim), where)
-            keep = frame is not None and _code_class.get(id(frame.f_code)) != _USER
+            keep = frame is not None and _code_class(frame.f_code) != _USER
             self._last_frame, self._last_lasti = (frame, frame.f_lasti) if keep else (None, -1)
         self.where.append(self._last_where)
         node = _current_node()
@@ -232,7 +222,7 @@ class DeviceCapture:
         _active = self
         self._running = True
         worklog.add_drain_hook(self._on_drain)
-        device_timeline.add_listener(self._on_entry)
+        device_timeline.add_listener(self._on_entry, batches=self._on_batch)
         worklog.set_full_handler(self._on_record)
         self._threshold_before = int(runtime_ops().worklog_threshold())
         runtime_ops().set_worklog_threshold(1)
@@ -284,11 +274,11 @@ class DeviceCapture:
         batch = len(self.store.batches)
         self.store.batches.append(records)
         available = len(self.store.t_ns)
-        op_ids = records["op_id"][list(work)].tolist()
-        for i, op_id in zip(work, op_ids):
+        names = op_names(records["op_id"][list(work)].tolist())
+        for i, name in zip(work, names):
             ctx = self._assigned if self._assigned < available else -1
             self._assigned += ctx >= 0
-            self._pending.append((batch, i, ctx, worklog.op_name(op_id)))
+            self._pending.append((batch, i, ctx, name))
 
     def _on_entry(self, entry: device_timeline.TimelineEntry) -> None:
         """Every piece of work charged to any timeline: records of the work log arrive in order
@@ -306,6 +296,32 @@ class DeviceCapture:
             self.store.add_entry(entry, batch, index, ctx, None)
         else:
             self.store.add_entry(entry, -1, -1, self.store.add_context(sys._getframe(1)), meta)
+
+    def _on_batch(self, batch: device_timeline.EntryBatch) -> None:
+        """The work-log records of one drain, as columns: each pairs with the context _on_drain
+        queued for it, in order; stored column by column, without an object per entry."""
+        pending = self._pending
+        n = len(batch)
+        if len(pending) < n or any(pending[i][3] != batch.name[i] for i in (0, n - 1)):
+            for entry in batch.entries():  # not the drain _on_drain saw: pair entry by entry
+                self._on_entry(entry)
+            return
+        paired = [pending.popleft() for _ in range(n)]
+        store = self.store
+        kept = max(0, min(n, self.max_events - len(store)))
+        self.dropped += n - kept
+        if not kept:
+            return
+        store.device.extend(batch.device[:kept])
+        store.stream.extend(batch.stream[:kept])
+        store.start.extend(batch.start_s[:kept])
+        store.end.extend(batch.end_s[:kept])
+        store.name.extend(batch.name[:kept])
+        store.cost.extend(batch.cost[:kept])
+        store.meta.extend([None] * kept)
+        store.batch.extend([p[0] for p in paired[:kept]])
+        store.index.extend([p[1] for p in paired[:kept]])
+        store.ctx.extend([p[2] for p in paired[:kept]])
 
     # ---- after the fact ----------------------------------------------------------------------
     def _finish(self) -> None:

@@ -44,6 +44,14 @@ def op_name(op_id: int) -> str:
     return _op_names[op_id] if op_id >= 0 else ""
 
 
+def op_names(op_ids: list[int]) -> list[str]:
+    """op_name of each of a batch of records' op_ids."""
+    if op_ids and max(op_ids) >= len(_op_names):
+        _op_names.extend(runtime_ops().op_names(len(_op_names)))
+    names = _op_names
+    return [names[i] if i >= 0 else "" for i in op_ids]
+
+
 def signature(sig: np.void) -> tuple[torch.dtype, tuple[int, ...]]:
     """(dtype, shape) of one tensor signature of a record."""
     ndim = int(sig["ndim"])
