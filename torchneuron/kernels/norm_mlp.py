@@ -41,7 +41,7 @@ P = 128
 CHUNK = 512               # output columns a PSUM bank holds in fp32
 SBUF_BUDGET = 160 * 1024  # bytes a partition a token block and a streamed weight chunk may take
 SWIGLU_TOKENS = 512       # tokens a SwiGLU block at most (the gate/up matmuls' moving operand)
-F_GROUP = 4               # SwiGLU forward: intermediate chunks of 128 whose down products PSUM sums
+F_GROUP = 2               # SwiGLU forward: intermediate chunks of 128 whose down products PSUM sums
 PSUM_BANKS = 8            # [128, 512] fp32 accumulators PSUM holds
 
 
@@ -93,11 +93,12 @@ def check_swiglu(x, wg, wu, wd, what: str = "swiglu kernel") -> tuple[int, int, 
 
 
 def swiglu_tiles(t: int, d: int, itemsize: int, backward: bool, what: str = "swiglu kernel") -> int:
-    """128-token tiles of a SwiGLU block (at most SWIGLU_TOKENS tokens): per tile x^T, the fp32
-    output accumulator and its rounding (backward also dy^T, x and dy), next to a chunk of each
-    weight and the chunk's fp32 intermediates."""
-    per_tile = d * (4 + (5 if backward else 2) * itemsize)
-    fixed = (7 if backward else 3 + 2 * F_GROUP) * d * itemsize + 10 * SWIGLU_TOKENS * 4
+    """128-token tiles of a SwiGLU block (at most SWIGLU_TOKENS tokens): per tile x^T and the
+    fp32 output accumulator (backward also dy^T, x and dy), next to the weight chunks in flight
+    (forward a group of F_GROUP down-projection rows and two gate/up chunks, each double
+    buffered) and the chunk's fp32 intermediates."""
+    per_tile = d * (4 + (5 if backward else 1) * itemsize)
+    fixed = (7 if backward else 2 * F_GROUP + 5) * d * itemsize + 10 * SWIGLU_TOKENS * 4
     if fixed + per_tile > SBUF_BUDGET:
         raise UnsupportedInput(f"{what}: hidden size D={d} does not fit a token tile and the weight chunks in "
                                f"SBUF ({fixed + per_tile} B a partition; at most {SBUF_BUDGET})")
@@ -332,36 +333,71 @@ def _down_rows(wd, g0: int, width: int, d: int, f: int) -> list:
     return out
 
 
+class _WeightCache:
+    """The SwiGLU weights in the layouts the matmuls want, made once and reused by every token
+    block: Wg / Wu chunks transposed [128 d, D/128, 128 f] (stationary) and Wd's columns
+    transposed [128 f, D] (moving). The first block loads them by transposing DMAs (no Tensor-engine
+    transposes) and writes them to HBM scratch in that layout; later blocks read the scratch
+    back in long contiguous runs."""
+
+    def __init__(self, wg, wu, wd, d: int, f: int):
+        self.w, self.d, self.f = (wg, wu, wd), d, f
+        self.scratch = tuple(nl.ndarray((f // P, P, d), dtype=w.dtype, buffer=nl.hbm) for w in (wg, wu, wd))
+
+    def chunk(self, f0: int, first: bool) -> tuple:
+        """(Wg^T chunk, Wu^T chunk, Wd^T rows) of intermediate rows f0..f0+128."""
+        d, k = self.d, f0 // P
+        out = []
+        for i, (w, scratch) in enumerate(zip(self.w, self.scratch)):
+            tile = nl.ndarray((P, d // P, P) if i < 2 else (P, d), dtype=w.dtype, buffer=nl.sbuf)
+            flat = tile if i == 2 else tile.reshape((P, d))
+            if not first:
+                nisa.dma_copy(dst=flat, src=scratch[k])
+            else:
+                if i < 2:  # rows f0.. of [F, D]: d on partitions, [d/128 chunk, f] along the free axis
+                    nisa.dma_transpose(dst=tile, src=w.ap([[d, P], [P, d // P], [1, P]], offset=f0 * d))
+                else:      # columns f0.. of [D, F]: f on partitions, d along the free axis
+                    nisa.dma_transpose(dst=tile, src=w.ap([[self.f, d], [1, P]], offset=f0))
+                nisa.dma_copy(dst=scratch[k], src=flat)
+            out.append(tile)
+        return tuple(out)
+
+
 @nki.jit
 def swiglu_fwd(x, wg, wu, wd):
     t, d, f = check_swiglu(x, wg, wu, wd, "swiglu_fwd")
     y = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
     dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
-    for t0, nt in _blocks(t, swiglu_tiles(t, d, _itemsize(x.dtype), backward=False)):
+    weights = _WeightCache(wg, wu, wd, d, f)
+    for block, (t0, nt) in enumerate(_blocks(t, swiglu_tiles(t, d, _itemsize(x.dtype), backward=False))):
         rows = nt * P
         x_t = _load_transposed(x, t0, rows, d)
         y_acc = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=y_acc, value=0.0, engine=nisa.gpsimd_engine)
         for g0 in range(0, f, F_GROUP * P):  # F_GROUP chunks of 128: their down products add in PSUM
-            h_ts, width = [], min(f, g0 + F_GROUP * P) - g0
-            wd_rows = _down_rows(wd, g0, width, d, f)
-            for f0 in range(g0, g0 + width, P):
-                g = _projection_t(_weight_t_chunk(wg, f0, d), x_t, d, rows)
-                u = _projection_t(_weight_t_chunk(wu, f0, d), x_t, d, rows)
+            h_ts, wd_rows = [], []  # (the previous group's are free)
+            for f0 in range(g0, min(f, g0 + F_GROUP * P), P):
+                wg_t, wu_t, wd_r = weights.chunk(f0, block == 0)
+                g = _projection_t(wg_t, x_t, d, rows)
+                u = _projection_t(wu_t, x_t, d, rows)
                 s = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=s, op=nl.silu, data=g)
                 h_t = nl.ndarray((P, rows), dtype=x.dtype, buffer=nl.sbuf)
                 nisa.tensor_tensor(dst=h_t, data1=s, data2=u, op=nl.multiply)
                 h_ts.append(h_t)
+                wd_rows.append(wd_r)
+                del wg_t, wu_t, wd_r  # (the next chunk's loads may reuse their SBUF)
             for ti in range(nt):
-                for c0, c1 in dchunks:
+                for k, (c0, c1) in enumerate(dchunks):
                     acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
                     for h_t, rows_k in zip(h_ts, wd_rows):
                         nisa.nc_matmul(dst=acc, stationary=h_t[:, ti * P:(ti + 1) * P], moving=rows_k[:, c0:c1])
-                    _accumulate(y_acc[:, ti, c0:c1], acc)
-        out = nl.ndarray((P, nt, d), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=out, src=y_acc, engine=nisa.gpsimd_engine)
-        nisa.dma_copy(dst=y.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d), src=out)
+                    nisa.tensor_tensor(dst=y_acc[:, ti, c0:c1], data1=y_acc[:, ti, c0:c1], data2=acc, op=nl.add,
+                                       engine=nisa.gpsimd_engine if k % 2 else nisa.vector_engine)
+        for ti in range(nt):
+            out = nl.ndarray((P, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=out, src=y_acc[:, ti, :], engine=nisa.scalar_engine)
+            nisa.dma_copy(dst=y[t0 + ti * P:t0 + (ti + 1) * P, :], src=out)
     return y
 
 
