@@ -86,7 +86,7 @@ def test_rmsnorm_linear_kernels_match_float64_and_their_host_path(dtype, t, d, n
         _close(got, want, dtype, f"host {name}", HOST_REL)
 
 
-# (T, D, F): a 512-token block and a partial one, F past one group of 4 chunks, D past 512
+# (T, D, F): a 512-token block and a partial one, F past one group of chunks in both passes, D past 512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,d,f", [(640, 640, 640), (128, 128, 256)])
 def test_swiglu_kernels_match_float64_and_their_host_path(dtype, t, d, f):

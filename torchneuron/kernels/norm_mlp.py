@@ -25,10 +25,13 @@ ones^T matmul over the partitions).
 SwiGLU: tokens in blocks of up to 512 (x^T the moving operand); F in chunks of 128 computed
 transposed, gate^T and up^T [128 f, tokens] = W^T-chunk^T @ x^T, so h^T = silu(g^T) * u^T is
 already the down projection's stationary operand: y += h @ Wd^T-chunk accumulated in fp32 SBUF.
-Backward per F chunk recomputes g^T, u^T, forms dh^T = Wd-chunk^T @ dy^T, dg^T = dh^T * u^T *
-silu'(g^T) and du^T = dh^T * silu(g^T) (Scalar/Vector engines), dx += dg @ Wg + du @ Wu, and
-with h, dg, du transposed back to tokens-on-partitions the weight gradients over the block
-(PSUM), added across blocks in HBM.
+Each weight chunk is put in the layout its matmul wants once (transposing DMAs) and kept in HBM
+scratch in that layout, so later token blocks read it back contiguously (`_Staged`). Backward,
+pass 1 (token blocks outer) per F chunk recomputes g^T, u^T, forms dh^T = Wd-chunk^T @ dy^T,
+dg^T = dh^T * u^T * silu'(g^T) and du^T = dh^T * silu(g^T) (Scalar/Vector/GpSimd engines),
+dx += dg @ Wg + du @ Wu, and writes h, dg, du tokens-major to HBM scratch; pass 2 (F groups
+outer, tokens the contraction) sums the weight gradients over all tokens in fp32 SBUF and writes
+each once.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ SBUF_BUDGET = 160 * 1024  # bytes a partition a token block and a streamed weigh
 SWIGLU_TOKENS = 512       # tokens a SwiGLU block at most (the gate/up matmuls' moving operand)
 F_GROUP = 2               # SwiGLU forward: intermediate chunks of 128 whose down products PSUM sums
 PSUM_BANKS = 8            # [128, 512] fp32 accumulators PSUM holds
+GRAD_TOKEN_TILES = 2      # SwiGLU backward pass 2: 128-token tiles a weight-gradient block sums in PSUM
+GRAD_GROUP_MAX = 4        # SwiGLU backward pass 2: intermediate chunks of 128 whose gradients SBUF holds
 
 
 class UnsupportedInput(ValueError):
@@ -89,20 +94,33 @@ def check_swiglu(x, wg, wu, wd, what: str = "swiglu kernel") -> tuple[int, int, 
         raise UnsupportedInput(f"{what}: tokens T={t}, hidden size D={d} and intermediate size F={f} must be "
                                f"multiples of {P}")
     swiglu_tiles(t, d, _itemsize(x.dtype), backward=True, what=what)
+    swiglu_grad_group(d, f, _itemsize(x.dtype), what)
     return t, d, f
 
 
 def swiglu_tiles(t: int, d: int, itemsize: int, backward: bool, what: str = "swiglu kernel") -> int:
     """128-token tiles of a SwiGLU block (at most SWIGLU_TOKENS tokens): per tile x^T and the
-    fp32 output accumulator (backward also dy^T, x and dy), next to the weight chunks in flight
-    (forward a group of F_GROUP down-projection rows and two gate/up chunks, each double
-    buffered) and the chunk's fp32 intermediates."""
-    per_tile = d * (4 + (5 if backward else 1) * itemsize)
-    fixed = (7 if backward else 2 * F_GROUP + 5) * d * itemsize + 10 * SWIGLU_TOKENS * 4
+    fp32 output accumulator (backward dx's, and dy^T), next to the weight chunks in flight
+    (forward a group of F_GROUP down-projection rows and two gate/up chunks, double buffered;
+    backward the five chunks one F chunk needs) and the chunk's fp32 intermediates."""
+    per_tile = d * (4 + (2 if backward else 1) * itemsize)
+    fixed = (5 if backward else 2 * F_GROUP + 5) * d * itemsize + 10 * SWIGLU_TOKENS * 4
     if fixed + per_tile > SBUF_BUDGET:
         raise UnsupportedInput(f"{what}: hidden size D={d} does not fit a token tile and the weight chunks in "
                                f"SBUF ({fixed + per_tile} B a partition; at most {SBUF_BUDGET})")
     return max(1, min(t // P, SWIGLU_TOKENS // P, (SBUF_BUDGET - fixed) // per_tile))
+
+
+def swiglu_grad_group(d: int, f: int, itemsize: int = 2, what: str = "swiglu_bwd") -> int:
+    """Intermediate chunks of 128 whose weight gradients the backward's pass 2 sums in SBUF at
+    once: three fp32 [128, D] accumulators a chunk, next to GRAD_TOKEN_TILES tiles of x and dy
+    and the chunks' h, dg and du."""
+    per_chunk = 3 * d * 4 + 3 * GRAD_TOKEN_TILES * P * itemsize
+    fixed = 2 * GRAD_TOKEN_TILES * d * itemsize
+    if fixed + per_chunk > SBUF_BUDGET:
+        raise UnsupportedInput(f"{what}: hidden size D={d} does not fit one chunk's weight-gradient "
+                               f"accumulators in SBUF ({fixed + per_chunk} B a partition; at most {SBUF_BUDGET})")
+    return max(1, min(GRAD_GROUP_MAX, f // P, (SBUF_BUDGET - fixed) // per_chunk))
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
@@ -300,17 +318,6 @@ def rmsnorm_linear_bwd(x, w_norm, w, rstd, dy, eps: float = 1e-6):
 
 
 # -- SwiGLU MLP ----------------------------------------------------------------------------------
-def _weight_t_chunk(w, r0: int, d: int):
-    """Rows r0..r0+128 of a [R, D] weight transposed, [128 (d), D/128, 128 (r)] (stationary):
-    loaded in its own layout (long runs), transposed 128 x 128 on the Tensor engine."""
-    rows = nl.ndarray((P, d), dtype=w.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=rows, src=w[r0:r0 + P, :])
-    out = nl.ndarray((P, d // P, P), dtype=w.dtype, buffer=nl.sbuf)
-    for c in range(d // P):
-        _transpose_into(out[:, c, :], rows[:, c * P:(c + 1) * P], P, P, w.dtype, c % 2)
-    return out
-
-
 def _projection_t(w_t, x_t, d: int, rows: int):
     """[128 f, rows] fp32 PSUM = (x @ W-chunk^T)^T over D/128 matmuls."""
     acc = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.psum)
@@ -319,48 +326,49 @@ def _projection_t(w_t, x_t, d: int, rows: int):
     return acc
 
 
-def _down_rows(wd, g0: int, width: int, d: int, f: int) -> list:
-    """Wd[:, g0 + 128 k : g0 + 128 (k + 1)]^T, [128 (f), D] each (the down projection's moving
-    operands): Wd's columns g0..g0+width loaded in its layout, transposed on the Tensor engine."""
-    cols = nl.ndarray((P, d // P, width), dtype=wd.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=cols, src=wd.ap([[f, P], [P * f, d // P], [1, width]], offset=g0))
-    out = []
-    for k in range(width // P):
-        rows = nl.ndarray((P, d), dtype=wd.dtype, buffer=nl.sbuf)
-        for c in range(d // P):
-            _transpose_into(rows[:, c * P:(c + 1) * P], cols[:, c, k * P:(k + 1) * P], P, P, wd.dtype, c % 2)
-        out.append(rows)
-    return out
+class _Staged:
+    """One weight's 128-wide intermediate chunks in the layout a matmul wants, made once and
+    reused by every token block: the first block loads chunk k from the weight (`load`, a
+    transposing or strided DMA) and writes it to HBM scratch in that layout; later blocks read
+    the scratch back in one contiguous run a partition."""
+
+    def __init__(self, w, chunks: int, shape: tuple, load):
+        self.dtype, self.shape, self.load = w.dtype, shape, load
+        self.free = 1
+        for n in shape[1:]:
+            self.free *= n
+        self.scratch = nl.ndarray((chunks, P, self.free), dtype=w.dtype, buffer=nl.hbm)
+
+    def chunk(self, k: int, first: bool):
+        tile = nl.ndarray(self.shape, dtype=self.dtype, buffer=nl.sbuf)
+        flat = tile if len(self.shape) == 2 else tile.reshape((P, self.free))
+        if first:
+            self.load(tile, k)
+            nisa.dma_copy(dst=self.scratch[k], src=flat)
+        else:
+            nisa.dma_copy(dst=flat, src=self.scratch[k])
+        return tile
 
 
-class _WeightCache:
-    """The SwiGLU weights in the layouts the matmuls want, made once and reused by every token
-    block: Wg / Wu chunks transposed [128 d, D/128, 128 f] (stationary) and Wd's columns
-    transposed [128 f, D] (moving). The first block loads them by transposing DMAs (no Tensor-engine
-    transposes) and writes them to HBM scratch in that layout; later blocks read the scratch
-    back in long contiguous runs."""
+def _rows_transposed(w, d: int):
+    """Loader of rows 128 k.. of a [F, D] weight as [128 d, D/128, 128 f] (a stationary W^T chunk)."""
+    def load(tile, k: int) -> None:
+        nisa.dma_transpose(dst=tile, src=w.ap([[d, P], [P, d // P], [1, P]], offset=k * P * d))
+    return load
 
-    def __init__(self, wg, wu, wd, d: int, f: int):
-        self.w, self.d, self.f = (wg, wu, wd), d, f
-        self.scratch = tuple(nl.ndarray((f // P, P, d), dtype=w.dtype, buffer=nl.hbm) for w in (wg, wu, wd))
 
-    def chunk(self, f0: int, first: bool) -> tuple:
-        """(Wg^T chunk, Wu^T chunk, Wd^T rows) of intermediate rows f0..f0+128."""
-        d, k = self.d, f0 // P
-        out = []
-        for i, (w, scratch) in enumerate(zip(self.w, self.scratch)):
-            tile = nl.ndarray((P, d // P, P) if i < 2 else (P, d), dtype=w.dtype, buffer=nl.sbuf)
-            flat = tile if i == 2 else tile.reshape((P, d))
-            if not first:
-                nisa.dma_copy(dst=flat, src=scratch[k])
-            else:
-                if i < 2:  # rows f0.. of [F, D]: d on partitions, [d/128 chunk, f] along the free axis
-                    nisa.dma_transpose(dst=tile, src=w.ap([[d, P], [P, d // P], [1, P]], offset=f0 * d))
-                else:      # columns f0.. of [D, F]: f on partitions, d along the free axis
-                    nisa.dma_transpose(dst=tile, src=w.ap([[self.f, d], [1, P]], offset=f0))
-                nisa.dma_copy(dst=scratch[k], src=flat)
-            out.append(tile)
-        return tuple(out)
+def _columns_transposed(w, d: int, f: int):
+    """Loader of columns 128 k.. of a [D, F] weight as [128 f, D] (the down projection's moving rows)."""
+    def load(tile, k: int) -> None:
+        nisa.dma_transpose(dst=tile, src=w.ap([[f, d], [1, P]], offset=k * P))
+    return load
+
+
+def _columns(w, d: int, f: int):
+    """Loader of columns 128 k.. of a [D, F] weight as [128 d, D/128, 128 f] (d on partitions)."""
+    def load(tile, k: int) -> None:
+        nisa.dma_copy(dst=tile, src=w.ap([[f, P], [P * f, d // P], [1, P]], offset=k * P))
+    return load
 
 
 @nki.jit
@@ -368,32 +376,32 @@ def swiglu_fwd(x, wg, wu, wd):
     t, d, f = check_swiglu(x, wg, wu, wd, "swiglu_fwd")
     y = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
     dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
-    weights = _WeightCache(wg, wu, wd, d, f)
+    stationary = (P, d // P, P)
+    wg_t, wu_t = (_Staged(w, f // P, stationary, _rows_transposed(w, d)) for w in (wg, wu))
+    wd_r = _Staged(wd, f // P, (P, d), _columns_transposed(wd, d, f))
     for block, (t0, nt) in enumerate(_blocks(t, swiglu_tiles(t, d, _itemsize(x.dtype), backward=False))):
-        rows = nt * P
+        rows, first = nt * P, block == 0
         x_t = _load_transposed(x, t0, rows, d)
         y_acc = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=y_acc, value=0.0, engine=nisa.gpsimd_engine)
         for g0 in range(0, f, F_GROUP * P):  # F_GROUP chunks of 128: their down products add in PSUM
             h_ts, wd_rows = [], []  # (the previous group's are free)
-            for f0 in range(g0, min(f, g0 + F_GROUP * P), P):
-                wg_t, wu_t, wd_r = weights.chunk(f0, block == 0)
-                g = _projection_t(wg_t, x_t, d, rows)
-                u = _projection_t(wu_t, x_t, d, rows)
+            for k in range(g0 // P, min(f, g0 + F_GROUP * P) // P):
+                g = _projection_t(wg_t.chunk(k, first), x_t, d, rows)
+                u = _projection_t(wu_t.chunk(k, first), x_t, d, rows)
                 s = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(dst=s, op=nl.silu, data=g)
                 h_t = nl.ndarray((P, rows), dtype=x.dtype, buffer=nl.sbuf)
                 nisa.tensor_tensor(dst=h_t, data1=s, data2=u, op=nl.multiply)
                 h_ts.append(h_t)
-                wd_rows.append(wd_r)
-                del wg_t, wu_t, wd_r  # (the next chunk's loads may reuse their SBUF)
+                wd_rows.append(wd_r.chunk(k, first))
             for ti in range(nt):
-                for k, (c0, c1) in enumerate(dchunks):
+                for j, (c0, c1) in enumerate(dchunks):
                     acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
                     for h_t, rows_k in zip(h_ts, wd_rows):
                         nisa.nc_matmul(dst=acc, stationary=h_t[:, ti * P:(ti + 1) * P], moving=rows_k[:, c0:c1])
                     nisa.tensor_tensor(dst=y_acc[:, ti, c0:c1], data1=y_acc[:, ti, c0:c1], data2=acc, op=nl.add,
-                                       engine=nisa.gpsimd_engine if k % 2 else nisa.vector_engine)
+                                       engine=nisa.gpsimd_engine if j % 2 else nisa.vector_engine)
         for ti in range(nt):
             out = nl.ndarray((P, d), dtype=x.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(dst=out, src=y_acc[:, ti, :], engine=nisa.scalar_engine)
@@ -409,32 +417,31 @@ def _tokens_major(src_t, nt: int, dtype):
     return dst
 
 
-@nki.jit
-def swiglu_bwd(x, wg, wu, wd, dy):
-    t, d, f = check_swiglu(x, wg, wu, wd, "swiglu_bwd")
-    dx = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
-    dwg = nl.ndarray((f, d), dtype=nl.float32, buffer=nl.shared_hbm)
-    dwu = nl.ndarray((f, d), dtype=nl.float32, buffer=nl.shared_hbm)
-    dwd = nl.ndarray((d, f), dtype=nl.float32, buffer=nl.shared_hbm)
+def _tokens_view(a, t0: int, nt: int, c0: int, width: int):
+    """a[t0 + 128 i + p, c0:c0 + width] of a row-major [T, C] HBM tensor as [128 p, nt i, width]."""
+    c = a.shape[1]
+    return a.ap([[c, P], [P * c, nt], [1, width]], offset=t0 * c + c0)
+
+
+def _swiglu_bwd_gates(x, dy, dx, weights, acts, t: int, d: int, f: int) -> None:
+    """Pass 1 of the backward, token blocks outer: per F chunk g^T, u^T and dh^T recomputed,
+    dg^T and du^T formed, dx += dg @ Wg + du @ Wu in fp32 SBUF; h, dg and du go to HBM scratch
+    tokens-major ([T, F], `acts`) for the weight gradients of pass 2."""
+    (wg_t, wu_t, wd_c, wg, wu), (h_s, dg_s, du_s) = weights, acts
     dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
     for block, (t0, nt) in enumerate(_blocks(t, swiglu_tiles(t, d, _itemsize(x.dtype), backward=True))):
-        rows = nt * P
+        rows, first = nt * P, block == 0
         x_t = _load_transposed(x, t0, rows, d)
         dy_t = _load_transposed(dy, t0, rows, d)
-        x_n = nl.ndarray((P, nt, d), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_n, src=x.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d))
-        dy_n = nl.ndarray((P, nt, d), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=dy_n, src=dy.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d))
         dx_acc = nl.ndarray((P, nt, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=dx_acc, value=0.0, engine=nisa.gpsimd_engine)
-        for f0 in range(0, f, P):
-            g = _projection_t(_weight_t_chunk(wg, f0, d), x_t, d, rows)
+        for k in range(f // P):
+            f0 = k * P
+            g = _projection_t(wg_t.chunk(k, first), x_t, d, rows)
             u = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)  # (dh is in PSUM too)
-            nisa.tensor_copy(dst=u, src=_projection_t(_weight_t_chunk(wu, f0, d), x_t, d, rows),
+            nisa.tensor_copy(dst=u, src=_projection_t(wu_t.chunk(k, first), x_t, d, rows),
                              engine=nisa.scalar_engine)
-            wd_cols = nl.ndarray((P, d // P, P), dtype=wd.dtype, buffer=nl.sbuf)  # Wd[:, chunk], d on partitions
-            nisa.dma_copy(dst=wd_cols, src=wd.ap([[f, P], [P * f, d // P], [1, P]], offset=f0))
-            dh = _projection_t(wd_cols, dy_t, d, rows)  # dh^T = (dy @ Wd[:, chunk])^T
+            dh = _projection_t(wd_c.chunk(k, first), dy_t, d, rows)  # dh^T = (dy @ Wd[:, chunk])^T
             sig = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=sig, op=nl.sigmoid, data=g)
             s = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
@@ -457,27 +464,77 @@ def swiglu_bwd(x, wg, wu, wd, dy):
             wu_rows = nl.ndarray((P, d), dtype=wu.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=wu_rows, src=wu[f0:f0 + P, :])
             for ti in range(nt):  # dx[tile] += dg @ Wg[chunk] + du @ Wu[chunk]
-                for c0, c1 in dchunks:
+                for j, (c0, c1) in enumerate(dchunks):
                     acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
                     nisa.nc_matmul(dst=acc, stationary=dg_t[:, ti * P:(ti + 1) * P], moving=wg_rows[:, c0:c1])
                     nisa.nc_matmul(dst=acc, stationary=du_t[:, ti * P:(ti + 1) * P], moving=wu_rows[:, c0:c1])
-                    _accumulate(dx_acc[:, ti, c0:c1], acc)
-            h_n, dg_n, du_n = (_tokens_major(v, nt, x.dtype) for v in (h_t, dg_t, du_t))
-            for grad, src in ((dwg, dg_n), (dwu, du_n)):  # dW[chunk] = d?^T @ x over the block's tiles
-                for c0, c1 in dchunks:
-                    acc = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
-                    for ti in range(nt):
-                        nisa.nc_matmul(dst=acc, stationary=src[:, ti, :], moving=x_n[:, ti, c0:c1])
-                    _store_grad(grad[f0:f0 + P, c0:c1], acc, P, c1 - c0, block == 0)
-            for d0 in range(0, d, P):  # dWd[:, chunk] = dy^T @ h over the block's tiles
-                acc = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.psum)
+                    nisa.tensor_tensor(dst=dx_acc[:, ti, c0:c1], data1=dx_acc[:, ti, c0:c1], data2=acc, op=nl.add,
+                                       engine=nisa.gpsimd_engine if j % 2 else nisa.vector_engine)
+            for src_t, scratch in ((h_t, h_s), (dg_t, dg_s), (du_t, du_s)):
+                nisa.dma_copy(dst=_tokens_view(scratch, t0, nt, f0, P), src=_tokens_major(src_t, nt, x.dtype))
+        for ti in range(nt):
+            out = nl.ndarray((P, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=out, src=dx_acc[:, ti, :], engine=nisa.scalar_engine)
+            nisa.dma_copy(dst=dx[t0 + ti * P:t0 + (ti + 1) * P, :], src=out)
+
+
+def _swiglu_bwd_weights(x, dy, acts, grads, t: int, d: int, f: int) -> None:
+    """Pass 2, F groups outer and tokens the contraction: for SWIGLU_GRAD_GROUP chunks of 128
+    intermediate rows, dWg = dg^T @ x, dWu = du^T @ x and dWd = dy^T @ h summed over every
+    token block in fp32 SBUF (PSUM over a block's tiles) and written to HBM once."""
+    (h_s, dg_s, du_s), (dwg, dwu, dwd) = acts, grads
+    dchunks = [(c0, min(d, c0 + CHUNK)) for c0 in range(0, d, CHUNK)]
+    group = swiglu_grad_group(d, f, _itemsize(x.dtype))
+    for g0 in range(0, f, group * P):
+        width = min(f, g0 + group * P) - g0
+        acc_g, acc_u = (nl.ndarray((P, width // P, d), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2))
+        acc_d = nl.ndarray((P, d // P, width), dtype=nl.float32, buffer=nl.sbuf)
+        for acc in (acc_g, acc_u, acc_d):
+            nisa.memset(dst=acc, value=0.0, engine=nisa.gpsimd_engine)
+        for t0, nt in _blocks(t, GRAD_TOKEN_TILES):
+            x_n, dy_n = (nl.ndarray((P, nt, d), dtype=x.dtype, buffer=nl.sbuf) for _ in range(2))
+            nisa.dma_copy(dst=x_n, src=_tokens_view(x, t0, nt, 0, d))
+            nisa.dma_copy(dst=dy_n, src=_tokens_view(dy, t0, nt, 0, d))
+            h_n, dg_n, du_n = (nl.ndarray((P, nt, width), dtype=x.dtype, buffer=nl.sbuf) for _ in range(3))
+            for tile, scratch in ((h_n, h_s), (dg_n, dg_s), (du_n, du_s)):
+                nisa.dma_copy(dst=tile, src=_tokens_view(scratch, t0, nt, g0, width))
+            j = 0
+            for acc_w, src in ((acc_g, dg_n), (acc_u, du_n)):  # dW[chunk] += d?^T @ x
+                for k in range(width // P):
+                    for c0, c1 in dchunks:
+                        part = nl.ndarray((P, c1 - c0), dtype=nl.float32, buffer=nl.psum)
+                        for ti in range(nt):
+                            nisa.nc_matmul(dst=part, stationary=src[:, ti, k * P:(k + 1) * P], moving=x_n[:, ti, c0:c1])
+                        nisa.tensor_tensor(dst=acc_w[:, k, c0:c1], data1=acc_w[:, k, c0:c1], data2=part, op=nl.add,
+                                           engine=nisa.gpsimd_engine if j % 2 else nisa.vector_engine)
+                        j += 1
+            for c in range(d // P):  # dWd[rows of d, group] += dy^T @ h
+                part = nl.ndarray((P, width), dtype=nl.float32, buffer=nl.psum)
                 for ti in range(nt):
-                    nisa.nc_matmul(dst=acc, stationary=dy_n[:, ti, d0:d0 + P], moving=h_n[:, ti, :])
-                _store_grad(dwd[d0:d0 + P, f0:f0 + P], acc, P, P, block == 0)
-        out = nl.ndarray((P, nt, d), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=out, src=dx_acc, engine=nisa.gpsimd_engine)
-        nisa.dma_copy(dst=dx.ap([[d, P], [P * d, nt], [1, d]], offset=t0 * d), src=out)
-    return dx, dwg, dwu, dwd
+                    nisa.nc_matmul(dst=part, stationary=dy_n[:, ti, c * P:(c + 1) * P], moving=h_n[:, ti, :])
+                nisa.tensor_tensor(dst=acc_d[:, c, :], data1=acc_d[:, c, :], data2=part, op=nl.add,
+                                   engine=nisa.gpsimd_engine if c % 2 else nisa.vector_engine)
+        for k in range(width // P):
+            nisa.dma_copy(dst=dwg[g0 + k * P:g0 + (k + 1) * P, :], src=acc_g[:, k, :])
+            nisa.dma_copy(dst=dwu[g0 + k * P:g0 + (k + 1) * P, :], src=acc_u[:, k, :])
+        nisa.dma_copy(dst=dwd.ap([[f, P], [P * f, d // P], [1, width]], offset=g0), src=acc_d)
+
+
+@nki.jit
+def swiglu_bwd(x, wg, wu, wd, dy):
+    t, d, f = check_swiglu(x, wg, wu, wd, "swiglu_bwd")
+    dx = nl.ndarray((t, d), dtype=x.dtype, buffer=nl.shared_hbm)
+    grads = (nl.ndarray((f, d), dtype=nl.float32, buffer=nl.shared_hbm),
+             nl.ndarray((f, d), dtype=nl.float32, buffer=nl.shared_hbm),
+             nl.ndarray((d, f), dtype=nl.float32, buffer=nl.shared_hbm))
+    stationary = (P, d // P, P)
+    weights = (_Staged(wg, f // P, stationary, _rows_transposed(wg, d)),
+               _Staged(wu, f // P, stationary, _rows_transposed(wu, d)),
+               _Staged(wd, f // P, stationary, _columns(wd, d, f)), wg, wu)
+    acts = tuple(nl.ndarray((t, f), dtype=x.dtype, buffer=nl.hbm) for _ in range(3))  # h, dg, du
+    _swiglu_bwd_gates(x, dy, dx, weights, acts, t, d, f)
+    _swiglu_bwd_weights(x, dy, acts, grads, t, d, f)
+    return (dx,) + grads
 
 
 # -- host paths (the kernels' numerics) ------------------------------------------------------------
