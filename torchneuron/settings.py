@@ -126,7 +126,8 @@ class Settings:
         "`1` (experimental): torch.compile substitutes NKI-lib's RoPE and (fused linear +) cross-entropy kernels "
         "for rotary embeddings and cross-entropy, and its SwiGLU kernels for Llama's MLP (off by default: at tiny model "
         "sizes the RoPE/CE kernels' fixed costs make the modeled step slower than the plan's fused generic ops, and the "
-        "SwiGLU kernels are slower than the unfused ops at 4096 x 4096 -> 14336 too: bench/nki_kernels.py)")
+        "SwiGLU backward, which recomputes gate and up, is slower than the unfused ops' at 4096 x 4096 -> 14336: "
+        "bench/nki_kernels.py)")
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")
