@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import torchneuron
 from torchneuron.hardware import estimate
+from torchneuron.ops.scaled_mm import portable_cpu_kernels
 
 E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 S = F.ScalingType
@@ -76,7 +77,8 @@ def test_scaled_mm_tensorwise_and_rowwise(rowwise, out_dtype):
     b8t, sbt = quantize(torch.randn(n, k), dim=-1 if rowwise else None)
     b8, sb = b8t.t(), sbt.t()  # column-major B [K, N], scale [1, N]
     bias = torch.randn(n).to(out_dtype) if out_dtype == torch.bfloat16 else None
-    expected = torch._scaled_mm(a8, b8, sa, sb, bias=bias, out_dtype=out_dtype)
+    with portable_cpu_kernels():
+        expected = torch._scaled_mm(a8, b8, sa, sb, bias=bias, out_dtype=out_dtype)
     actual = torch._scaled_mm(on(a8), on(b8), on(sa), on(sb), bias=None if bias is None else on(bias),
                               out_dtype=out_dtype)
     assert actual.dtype == out_dtype
@@ -157,6 +159,22 @@ def test_mxfp8_scaled_mm_with_e8m0_block_scales(api):
     torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
 
 
+def test_scaled_mm_is_the_same_kernel_on_every_host():
+    """The tensor-wise kernel does not depend on the host's ISA (ATen sends CPU fp8 GEMMs to
+    oneDNN on AMX hosts): its result is the portable kernel's with oneDNN on or off, and the
+    process's oneDNN switch is left as it was."""
+    a8, b8 = torch.randn(64, 32).to(E4M3), torch.randn(16, 32).to(E4M3).t()
+    one = torch.tensor(1.0)
+    with portable_cpu_kernels():
+        assert not torch.backends.mkldnn.enabled
+        expected = torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+    for enabled in (True, False):
+        with torch.backends.mkldnn.flags(enabled=enabled):
+            actual = torch._scaled_mm(on(a8), on(b8), on(one), on(one), out_dtype=torch.bfloat16)
+            assert torch.backends.mkldnn.enabled == enabled
+        assert torch.equal(actual.cpu(), expected)
+
+
 def _error(fn):
     with pytest.raises(Exception) as info:
         fn()
@@ -174,7 +192,8 @@ def test_scaled_mm_bad_scales_raise_pytorchs_error(case):
         sa, sb = torch.ones(16, 1), torch.ones(1, 8)
     else:
         a8 = a8.float()
-    cpu = _error(lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16))
+    with portable_cpu_kernels():  # oneDNN's kernel (hosts with AMX) skips these checks
+        cpu = _error(lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16))
     neuron = _error(lambda: torch._scaled_mm(on(a8), on(b8), on(sa), on(sb), out_dtype=torch.bfloat16))
     assert neuron == cpu
 

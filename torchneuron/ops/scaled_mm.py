@@ -16,14 +16,18 @@ float32, block scales expanded over the elements they scale, one float32 matmul,
   groups along K for weight gradients); `offs[i]` ends group i.
 - `_scaled_mm` / `_scaled_mm_v2` with block scales (1x128 and 128x128, and MX: 1x32 blocks of
   float8_e8m0fnu scales in the 32_4_4 swizzled layout): tensor-wise and row-wise recipes stay
-  with the CPU kernel.
+  with the CPU's portable kernel. On a host with AMX int8 ATen sends those to oneDNN instead,
+  whose FP8 GEMM is ~1000x slower here (2048^3: minutes, against 0.1 s) and skips PyTorch's
+  checks of the scales; `portable_cpu_kernels()` keeps every host the same.
 
 Bad input gets PyTorch's own error: each kernel first runs the op's meta function (CUDA's
 rules: row-major A, column-major B, the scale shapes and dtypes).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,19 @@ from .host_kernels import check_on_meta, device_kernel, register
 
 _BLOCK_RECIPES = {F.ScalingType.BlockWise1x128.value: (1, 128), F.ScalingType.BlockWise128x128.value: (128, 128),
                   F.ScalingType.BlockWise1x32.value: (1, 32)}
+
+
+@contextlib.contextmanager
+def portable_cpu_kernels() -> Iterator[None]:
+    """ATen's CPU `_scaled_mm`s run their portable kernel (FP8 upcast to float32, fp32 GEMM, and the
+    checks CUDA makes) instead of oneDNN's, which ATen picks on hosts with AMX int8. The switch is
+    process-wide (torch.backends.mkldnn.enabled) while the block runs."""
+    was_enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was_enabled)
 
 
 def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
@@ -266,7 +283,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
               out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     blocks = _v1_blocks(a, b, scale_a, scale_b) if a.dim() == 2 and b.dim() == 2 else None
     if blocks is None:  # tensor-wise and row-wise: the CPU kernel (and its errors)
-        return torch._scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
+        with portable_cpu_kernels():
+            return torch._scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
     check_on_meta(torch.ops.aten._scaled_mm.default, a, b, scale_a, scale_b, bias, scale_result, out_dtype,
                    use_fast_accum)
     return _block_scaled_mm(a, b, blocks[0], blocks[2], blocks[1], blocks[3], bias, out_dtype)
@@ -278,8 +296,9 @@ def scaled_mm_v2(a: torch.Tensor, b: torch.Tensor, scale_a: list[torch.Tensor], 
                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  contraction_dim: list[int] = (), use_fast_accum: bool = False) -> torch.Tensor:
     if not (len(recipe_a) == len(recipe_b) == 1 and recipe_a[0] in _BLOCK_RECIPES and recipe_b[0] in _BLOCK_RECIPES):
-        return torch._scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype,
-                                   list(contraction_dim), use_fast_accum)
+        with portable_cpu_kernels():
+            return torch._scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias,
+                                       out_dtype, list(contraction_dim), use_fast_accum)
     check_on_meta(torch.ops.aten._scaled_mm_v2.default, a, b, list(scale_a), recipe_a, swizzle_a, list(scale_b),
                    recipe_b, swizzle_b, bias, out_dtype, list(contraction_dim), use_fast_accum)
     blocks_a, block_a, blocks_b, block_b = _v2_blocks(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b)
