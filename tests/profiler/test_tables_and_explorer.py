@@ -265,4 +265,7 @@ def test_a_profile_with_python_stacks_exports(tmp_path):
     profile_read = read_profile(str(tmp_path / "p"))
     assert not profile_read.problems
     host_ops = profile_read["host_ops"]
-    assert (host_ops["thread"] == -1).any() and host_ops["name"].str.contains("threading.py").any()
+    assert host_ops["name"].str.contains("threading.py").any()
+    # whether torch reports any of the thread's events as 2**64 - 1 varies from run to run; those
+    # that it does are kept as -1, so the column is int64 and nothing is below -1
+    assert host_ops["thread"].dtype == "int64" and (host_ops["thread"] >= -1).all()
