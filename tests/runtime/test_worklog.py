@@ -36,3 +36,28 @@ def test_enums_are_distinct_and_flags_are_bits():
     assert policy.fallback_policy("aten::linalg_svd") & policy.HOST_ONLY
     assert set(_C.QUEUE_KINDS) >= {"SYNC", "FUNCTIONAL", "INPLACE", "ALLOCATE", "VIEW", "OUT", "RANDOM_BIT"}
     assert np.dtype(_C.WORK_RECORD_DTYPE) == worklog.RECORD
+
+
+def test_record_hook_sees_the_issuing_frame_and_its_errors_reach_the_caller():
+    import sys
+    import pytest
+
+    frames = []
+    a = torch.ones(4, device="neuron")
+    try:
+        _C.set_worklog_record_hook(frames.append)
+        here = sys._getframe()
+        a.mul(3)
+        _C.set_worklog_record_hook(None)
+        assert frames and all(f is here for f in frames)  # one call per record, inside the call
+
+        def broken(frame):
+            raise KeyError("from the hook")
+        _C.set_worklog_record_hook(broken)
+        with pytest.raises(KeyError, match="from the hook"):
+            a.add(1)
+    finally:
+        _C.set_worklog_record_hook(None)
+    assert torch.equal((a + 1).cpu(), torch.full((4,), 2.0))  # still usable, no hook left behind
+    with pytest.raises(TypeError, match="callable"):
+        _C.set_worklog_record_hook(3)

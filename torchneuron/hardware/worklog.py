@@ -26,7 +26,7 @@ from torchneuron.runtime.worklog import (
 )
 
 __all__ = ["add_drain_hook", "charge", "drain", "event_elapsed_ms", "install", "is_enabled", "remove_drain_hook",
-           "set_enabled", "set_full_handler"]
+           "set_enabled"]
 
 _price_cache: dict[bytes, Any] = {}
 _event_times: dict[int, tuple[int, float]] = {}
@@ -305,32 +305,13 @@ def remove_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
         _drain_hooks.remove(fn)
 
 
-_full_handler: Callable[[], None] | None = None
-
-
-def set_full_handler(fn: Callable[[], None] | None) -> None:
-    """While set, the hot path's "log is full" callback calls `fn()` instead of drain(); None restores
-    draining. The profiler uses it with a drain threshold of 1 to see, in Python, the caller of each
-    record as it is appended, and drains in batches itself."""
-    global _full_handler
-    _full_handler = fn
-
-
-def _on_full() -> None:
-    handler = _full_handler
-    if handler is None:
-        drain()
-    else:
-        handler()
-
-
 _registrations: list[torch.library.Library] = []
 
 
 def install() -> None:
     check_layout()
     lib = torch.library.Library("torchneuron", "IMPL")
-    lib.impl("_worklog_full", _on_full, "CompositeExplicitAutograd")
+    lib.impl("_worklog_full", drain, "CompositeExplicitAutograd")
     lib.impl("_event_elapsed_ms", event_elapsed_ms, "CompositeExplicitAutograd")
     _registrations.append(lib)
     on_target_change(lambda target: (drain(), _price_cache.clear()))

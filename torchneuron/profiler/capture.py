@@ -7,9 +7,9 @@ torch.profiler events, traces, tables, analysis) works on those afterwards.
 
 How attribution stays exact and cheap:
 - eager ops and copies reach the timeline through the C++ work log. While capturing, the work
-  log's drain threshold is 1 and its "full" callback is the capture's (worklog.set_full_handler),
-  so the C++ fallback calls Python right after appending each record, *inside* the call that
-  issued it. The capture walks the Python stack once there: the innermost frame outside
+  log's record hook is the capture's (`_C.set_worklog_record_hook`), so the C++ fallback calls
+  Python right after appending each record, *inside* the call that issued it, with the issuing
+  frame. The capture walks the Python stack once there: the innermost frame outside
   torch/torchneuron/the standard library is the source line; `forward` frames of nn.Modules give
   the module chain. Records are still priced in batches (every BATCH records, or when anyone
   drains); the drain hook pairs each op/copy record with its context in order, and the timeline
@@ -98,6 +98,7 @@ _NO_SEQUENCE = 2**63
 _time_ns = time.time_ns
 _get_ident = threading.get_ident
 _stack_where = fast.stack_where
+_set_record_hook = fast.set_worklog_record_hook
 
 
 def _where(frame: Any) -> tuple:
@@ -191,7 +192,6 @@ class DeviceCapture:
     """Records device work between start() and stop(); see the module docstring."""
 
     def __init__(self, profile_memory: bool = False, max_events: int = MAX_EVENTS) -> None:
-        self._threshold_before = int(runtime_ops().worklog_threshold())
         self.profile_memory = profile_memory
         self.max_events = max_events
         self.events: list[DeviceEvent] = []
@@ -223,9 +223,7 @@ class DeviceCapture:
         self._running = True
         worklog.add_drain_hook(self._on_drain)
         device_timeline.add_listener(self._on_entry, batches=self._on_batch)
-        worklog.set_full_handler(self._on_record)
-        self._threshold_before = int(runtime_ops().worklog_threshold())
-        runtime_ops().set_worklog_threshold(1)
+        _set_record_hook(self._on_record)
         return self
 
     def stop(self) -> "DeviceCapture":
@@ -234,11 +232,10 @@ class DeviceCapture:
         if not self._running:
             return self
         try:
-            worklog.set_full_handler(None)
+            _set_record_hook(None)
             worklog.drain()
         finally:
-            runtime_ops().set_worklog_threshold(self._threshold_before)
-            worklog.set_full_handler(None)
+            _set_record_hook(None)
             worklog.remove_drain_hook(self._on_drain)
             device_timeline.remove_listener(self._on_entry)
             self._running = False
@@ -253,11 +250,11 @@ class DeviceCapture:
         return self._running
 
     # ---- hot path ----------------------------------------------------------------------------
-    def _on_record(self) -> None:
-        """Called by the C++ fallback right after it appended an op or copy record, inside the
-        call that issued it (drain threshold 1): note who issued it; price in batches."""
+    def _on_record(self, frame: Any) -> None:
+        """Called by the C++ work log right after it appended an op or copy record, inside the
+        call that issued it, with the issuing Python frame: note who issued it; price in batches."""
         store = self.store
-        ctx = store.add_context(sys._getframe(2))  # the frame that issued the op (1 is worklog._on_full)
+        ctx = store.add_context(frame)
         if self.profile_memory:
             device = int(runtime_ops().current_device())
             store.memory[ctx] = (device, *_device_stats(device))

@@ -2,7 +2,7 @@
 
 This module owns what happens to a torch.profiler result once its FunctionEvents exist:
 - the profiler's bookkeeping (the `torchneuron::_worklog_full` callback through which the C++
-  fallback hands each record to the capture, and everything nested in it) is removed, so
+  work log asks Python to price a full log, and everything nested in it) is removed, so
   `events()`, `key_averages()` and tables show only the user's ops;
 - every DeviceEvent becomes a device-side FunctionEvent (device_type PrivateUse1, named
   "neuron: <kernel>", its time range the modeled device interval) and is attached to the CPU op
@@ -10,10 +10,10 @@ This module owns what happens to a torch.profiler result once its FunctionEvents
   So `device_time_total`, `self_device_time_total` and the "Self NEURON"/"NEURON total" columns
   of `key_averages().table()` report modeled device time, for ops and kernels alike.
 
-Matching is by host time: the capture notes `time.time_ns()` inside the issuing call, which
-lies inside that call's profiler event (same clock as Kineto's). Work-log records are matched
-to the `_worklog_full` event containing that instant, whose parent is the issuing op; work
-charged from Python to the innermost op containing it.
+Matching is by host time: the capture notes `time.time_ns()` inside the issuing call (the work
+log's record hook for eager ops and copies, the charge for work charged from Python), which lies
+inside that call's profiler event (same clock as Kineto's): the owner is the innermost CPU op
+containing that instant.
 """
 from __future__ import annotations
 
@@ -68,7 +68,6 @@ def link(function_events: list[Any], captures: list[DeviceCapture],
     of one profiling cycle, times relative to `trace_start_ns`). Returns the events without the
     bookkeeping ones, the new device-side FunctionEvents, and counts {"linked", "unlinked", "hidden"}."""
     hidden = bookkeeping_ids(function_events)
-    callbacks = _Intervals([e for e in function_events if e.name in BOOKKEEPING])
     ops = _Intervals([e for e in function_events if id(e) not in hidden and not e.is_async
                       and e.device_type.name == "CPU"])
     linked = unlinked = 0
@@ -78,13 +77,7 @@ def link(function_events: list[Any], captures: list[DeviceCapture],
     for capture in captures:
         offset = (capture.start_ns - trace_start_ns) / 1e3
         for ev in capture.events:
-            t = offset + ev.host_time_us
-            owner = None
-            if ev.kind in ("op", "copy"):
-                callback = callbacks.innermost(t, _TOLERANCE_US)
-                owner = callback.cpu_parent if callback is not None else None
-            if owner is None:
-                owner = ops.innermost(t)
+            owner = ops.innermost(offset + ev.host_time_us, _TOLERANCE_US if ev.kind in ("op", "copy") else 0.0)
             device_events.append(_device_function_event(ev, offset, next_id, owner, use_device))
             next_id += 1
             if owner is None:

@@ -101,6 +101,10 @@ void fill_sig_numel(TensorSig& s, c10::ScalarType dtype, int64_t numel);
 // Appends a record (already filled except device/stream) for the current stream of `device`.
 void worklog_append(WorkRecord& r, c10::DeviceIndex device);
 void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId stream, int64_t aux);
+// Called right after each op or copy record is appended, inside the call that issued it (the
+// profiler's per-record hook: stack_where.cpp's set_worklog_record_hook); nullptr: no hook.
+using WorkRecordHook = void (*)();
+void set_worklog_record_hook(WorkRecordHook hook);
 
 // ---- ops (fallback.cpp) ----
 int32_t op_id_of(const c10::OperatorHandle& op);

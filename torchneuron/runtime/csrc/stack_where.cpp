@@ -12,8 +12,16 @@
 // - user_code/line: the innermost user frame's code and current line (None, 0 without one);
 //   optim: a torch.optim frame lies below it; inner/outer: the innermost and outermost
 //   `forward` frames whose first argument is an instance of module_type (None without one).
+//
+// set_worklog_record_hook(fn | None): while set, the work log calls fn(frame) right after each op or
+// copy record is appended, with the GIL held and `frame` the innermost Python frame of the thread
+// that issued the work (None outside Python). The profiler's capture notes its context there: a
+// plain C call per record, no dispatcher op (which torch.profiler would record as an event too).
 #include <Python.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
+
+#include "neuron.h"
 
 namespace torchneuron {
 namespace {
@@ -104,6 +112,31 @@ py::tuple stack_where(py::handle frame, py::dict code_info, py::handle classify,
   return py::make_tuple(steal(user_code), line, steal(inner), steal(outer), optim);
 }
 
+PyObject* g_record_fn = nullptr;  // strong reference while set; never released at exit
+
+void call_record_fn() {
+  py::gil_scoped_acquire gil;
+  PyObject* fn = g_record_fn;
+  if (!fn) return;
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  PyObject* result = PyObject_CallOneArg(fn, frame ? reinterpret_cast<PyObject*>(frame) : Py_None);
+  if (!result) {  // raised through the op that issued the record, type included
+    python_error error;
+    error.persist();
+    throw error;
+  }
+  Py_DECREF(result);
+}
+
+void set_record_hook(py::object fn) {
+  if (!fn.is_none() && !PyCallable_Check(fn.ptr())) throw py::type_error("set_worklog_record_hook: expected a callable or None");
+  set_worklog_record_hook(nullptr);
+  PyObject* old = g_record_fn;
+  g_record_fn = fn.is_none() ? nullptr : fn.inc_ref().ptr();
+  Py_XDECREF(old);
+  if (g_record_fn) set_worklog_record_hook(&call_record_fn);
+}
+
 }  // namespace
 
 void bind_stack_where(py::module_& m) {
@@ -111,6 +144,9 @@ void bind_stack_where(py::module_& m) {
         "(user_code, line, inner module, outer module, in_optimizer) of a Python stack (the profiler's "
         "attribution; see stack_where.cpp)",
         py::arg("frame"), py::arg("code_info"), py::arg("classify"), py::arg("module_type"));
+  m.def("set_worklog_record_hook", &set_record_hook,
+        "fn(frame) is called after each op/copy record the work log appends (None: no hook; see stack_where.cpp)",
+        py::arg("fn"));
 }
 
 }  // namespace torchneuron

@@ -3,7 +3,8 @@
 // Every op, copy, event record/wait and synchronisation appends one fixed-size WorkRecord (op id,
 // device, stream, flags, tensor signatures). The Python device timeline drains the log lazily,
 // prices each record with the performance model (cached by signature) and advances its stream
-// clocks. When the log grows past a threshold it asks Python to drain it.
+// clocks. When the log grows past a threshold it asks Python to drain it. While a profile records,
+// a hook runs after each op/copy record (set_worklog_record_hook), inside the issuing call.
 #include "neuron.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -22,7 +23,8 @@ static std::mutex g_log_mutex;
 static std::vector<WorkRecord> g_log;
 static int64_t g_pending_control = 0;  // event, wait and synchronisation records in g_log
 static size_t g_drain_threshold = 1 << 15;
-thread_local bool tl_draining = false;
+static std::atomic<WorkRecordHook> g_record_hook{nullptr};
+thread_local bool tl_draining = false;  // inside a drain or a record hook: neither re-enters
 
 bool worklog_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
@@ -53,17 +55,25 @@ void fill_sig_numel(TensorSig& s, c10::ScalarType dtype, int64_t numel) {
   s.sizes[0] = numel;
 }
 
-static void request_drain() {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_worklog_full", "").typed<void()>();
+// Runs fn with tl_draining set, so work it issues neither drains nor calls the hook again.
+template <typename Fn>
+static void without_reentry(Fn&& fn) {
   tl_draining = true;
   try {
-    op.call();
+    fn();
   } catch (...) {
     tl_draining = false;
     throw;
   }
   tl_draining = false;
 }
+
+static void request_drain() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchneuron::_worklog_full", "").typed<void()>();
+  without_reentry([] { op.call(); });
+}
+
+void set_worklog_record_hook(WorkRecordHook hook) { g_record_hook.store(hook); }
 
 void worklog_append(WorkRecord& r, c10::DeviceIndex device) {
   r.device = device;
@@ -74,7 +84,14 @@ void worklog_append(WorkRecord& r, c10::DeviceIndex device) {
     g_log.push_back(r);
     full = g_log.size() >= g_drain_threshold;
   }
-  if (C10_UNLIKELY(full && !tl_draining)) request_drain();
+  if (tl_draining) return;
+  const WorkRecordHook hook = g_record_hook.load(std::memory_order_relaxed);
+  if (C10_UNLIKELY(hook != nullptr)) {
+    without_reentry(hook);  // it may drain the log itself
+    std::lock_guard<std::mutex> lock(g_log_mutex);
+    full = g_log.size() >= g_drain_threshold;
+  }
+  if (C10_UNLIKELY(full)) request_drain();
 }
 
 void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId stream, int64_t aux) {
