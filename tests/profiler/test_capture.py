@@ -208,3 +208,20 @@ def test_cross_entropy_and_item_have_sources(profiled):
     events = neuron_profiler.device_events(profiled(lambda: F.cross_entropy(logits, target).item()))
     assert events and {e.source_line for e in events} == {line}
     assert events[-1].name == "aten::_local_scalar_dense"
+
+
+def test_work_charged_between_eager_ops_leaves_their_source_lines_alone():
+    """Charged work notes a context of its own between two records': each record keeps its own."""
+    x = torch.randn(8, 8, device="neuron")
+    capture = DeviceCapture().start()
+    try:
+        a, line_a = x.mul(3), here()
+        charge("my_kernel", Cost(4e-6, "tensor", 1e6, 1e4, "compute")); line_k = here()
+        b, line_b = a.add(1), here()
+        b.exp(); line_c = here()
+    finally:
+        capture.stop()
+    lines = [(ev.name, ev.source_line) for ev in capture.events]
+    assert lines == [("aten::mul.Tensor", line_a), ("my_kernel", line_k), ("aten::add.Tensor", line_b),
+                     ("aten::exp", line_c)]
+    assert capture.unmatched == 0

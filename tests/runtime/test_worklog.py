@@ -38,26 +38,20 @@ def test_enums_are_distinct_and_flags_are_bits():
     assert np.dtype(_C.WORK_RECORD_DTYPE) == worklog.RECORD
 
 
-def test_record_hook_sees_the_issuing_frame_and_its_errors_reach_the_caller():
-    import sys
+
+def test_an_error_noting_a_records_context_reaches_the_caller_and_leaves_the_device_usable():
     import pytest
 
-    frames = []
+    def broken(code):
+        raise KeyError("classify failed")
     a = torch.ones(4, device="neuron")
+    _C.contexts_start({}, broken, torch.nn.Module)
     try:
-        _C.set_worklog_record_hook(frames.append)
-        here = sys._getframe()
-        a.mul(3)
-        _C.set_worklog_record_hook(None)
-        assert frames and all(f is here for f in frames)  # one call per record, inside the call
-
-        def broken(frame):
-            raise KeyError("from the hook")
-        _C.set_worklog_record_hook(broken)
-        with pytest.raises(KeyError, match="from the hook"):
-            a.add(1)
+        with pytest.raises(KeyError, match="classify failed"):
+            a.mul(3)
+        with pytest.raises(RuntimeError, match="already being recorded"):
+            _C.contexts_start({}, broken, torch.nn.Module)
     finally:
-        _C.set_worklog_record_hook(None)
-    assert torch.equal((a + 1).cpu(), torch.full((4,), 2.0))  # still usable, no hook left behind
-    with pytest.raises(TypeError, match="callable"):
-        _C.set_worklog_record_hook(3)
+        _C.contexts_take()
+    assert torch.equal((a + 1).cpu(), torch.full((4,), 2.0))  # no hook left behind
+    assert _C.context_count() == 0

@@ -7,13 +7,13 @@ torch.profiler events, traces, tables, analysis) works on those afterwards.
 
 How attribution stays exact and cheap:
 - eager ops and copies reach the timeline through the C++ work log. While capturing, the work
-  log's record hook is the capture's (`_C.set_worklog_record_hook`), so the C++ fallback calls
-  Python right after appending each record, *inside* the call that issued it, with the issuing
-  frame. The capture walks the Python stack once there: the innermost frame outside
-  torch/torchneuron/the standard library is the source line; `forward` frames of nn.Modules give
-  the module chain. Records are still priced in batches (every BATCH records, or when anyone
-  drains); the drain hook pairs each op/copy record with its context in order, and the timeline
-  entries the drain enqueues arrive in the same order.
+  log notes an issuer context right after appending each record, *inside* the call that issued
+  it, in C++ (runtime/csrc/contexts.cpp): the Python stack walked once (the innermost frame
+  outside torch/torchneuron/the standard library is the source line; `forward` frames of
+  nn.Modules give the module chain), the autograd node, the host time. Records are still priced
+  in batches (every BATCH records, or when anyone drains); the drain hook pairs each op/copy
+  record with the context noted for it, in order, and the timeline entries the drain enqueues
+  arrive in the same order.
 - work charged from Python (`torchneuron.hardware.charge`: NKI kernels, fused kernels, compiled
   graphs, collectives) is attributed from the stack at the time of the charge.
 - backward ops carry the autograd node that ran them; its sequence number is the one the
@@ -27,7 +27,6 @@ import collections
 import os
 import sys
 import sysconfig
-import threading
 import time
 from array import array
 from typing import Any
@@ -86,26 +85,9 @@ def _classify_code(code: Any) -> tuple[int, str | None]:
     return info
 
 
-def _code_class(code: Any) -> int:
-    info = _code_info.get(id(code))
-    return (info or _classify_code(code))[0]
-
-
 _Module = torch.nn.Module
-_current_node = torch._C._current_autograd_node
-_next_sequence_nr = torch._C._autograd._get_sequence_nr
-_NO_SEQUENCE = 2**63
-_time_ns = time.time_ns
-_get_ident = threading.get_ident
-_stack_where = fast.stack_where
-_set_record_hook = fast.set_worklog_record_hook
-
-
-def _where(frame: Any) -> tuple:
-    """(code, line, innermost module, outermost module, in_optimizer) of the Python stack: the
-    innermost user frame's code and line, the nn.Modules of the `forward` frames around it, and
-    whether a torch.optim frame lies below the user frame. Walked in C++ (runtime/csrc/stack_where.cpp)."""
-    return _stack_where(frame, _code_info, _classify_code, _Module)
+_context_record = fast.context_record
+_record_contexts = fast.record_contexts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,11 +110,14 @@ class _Store:
     the recording itself in long profiles.
 
     Contexts (who issued work, one per issuing call or charge) and entries (timeline items) are
-    separate; `ctx[i]` is the context of entry i (-1: none), `batch[i]/index[i]` its work-log record."""
+    separate; `ctx[i]` is the context of entry i (-1: none), `batch[i]/index[i]` its work-log record.
+    Contexts are noted in C++ while recording (contexts.cpp) and become columns at take_contexts()."""
 
     def __init__(self) -> None:
-        self.where: list[tuple] = []          # interned _where() results
-        self.t_ns, self.thread, self.seq = array("q"), array("q"), array("q")
+        self.where: list[tuple] = []          # per context: (code, line, inner module, outer module, in_optimizer)
+        self.t_ns: list[int] = []
+        self.thread: list[int] = []
+        self.seq: list[int] = []
         self.node: list[str] = []             # autograd node name ("" outside backward)
         self.memory: dict[int, tuple] = {}    # context -> (device, allocated, peak, reserved)
         self.device, self.stream = array("q"), array("q")
@@ -142,34 +127,17 @@ class _Store:
         self.meta: list[dict | None] = []     # None for work-log entries
         self.batch, self.index, self.ctx = array("q"), array("q"), array("q")
         self.batches: list[np.ndarray] = []
-        self._interned: dict[tuple, tuple] = {}  # keyed by ids (see _code_class): no code hashing
-        self._last_frame: Any = None
-        self._last_lasti = -1
-        self._last_where: tuple = ()
 
-    def add_context(self, frame: Any) -> int:
-        # One call (a foreach op, loss.backward()) often issues many records from the same frame
-        # at the same instruction: the stack is the same, walk it once. Only torch/torchneuron
-        # frames are kept between records (they are alive during such calls), never user frames,
-        # whose locals must not outlive them.
-        if frame is None or frame is not self._last_frame or frame.f_lasti != self._last_lasti:
-            where = _where(frame)
-            code, line, inner, outer, optim = where
-            self._last_where = self._interned.setdefault((id(code), line, id(inner), id(outer), optim), where)
-            keep = frame is not None and _code_class(frame.f_code) != _USER
-            self._last_frame, self._last_lasti = (frame, frame.f_lasti) if keep else (None, -1)
-        self.where.append(self._last_where)
-        node = _current_node()
-        if node is not None:
-            self.node.append(type(node).__name__)
-            seq = node._sequence_nr()  # nodes outside the forward's numbering (AccumulateGrad) have UINT64_MAX
-            self.seq.append(seq if seq < _NO_SEQUENCE else -1)
-        else:
-            self.node.append("")
-            self.seq.append(_next_sequence_nr() - 1)  # the sequence number the op's autograd node got
-        self.t_ns.append(_time_ns())
-        self.thread.append(_get_ident())
-        return len(self.t_ns) - 1
+    @staticmethod
+    def add_context(frame: Any) -> int:
+        """Notes the context of work charged from Python, issued from `frame`; returns its index."""
+        return _context_record(frame)
+
+    def take_contexts(self) -> None:
+        """Ends context recording and keeps every context as columns."""
+        where, node, seq, t_ns, thread = fast.contexts_take()
+        self.where, self.node = where, node
+        self.seq, self.t_ns, self.thread = (np.frombuffer(b, dtype=np.int64).tolist() for b in (seq, t_ns, thread))
 
     def add_entry(self, entry: device_timeline.TimelineEntry, batch: int, index: int, ctx: int,
                   meta: dict | None) -> None:
@@ -203,7 +171,7 @@ class DeviceCapture:
         self.target = get_target().name
         self.peak_bytes: dict[int, int] = {}
         self.store = _Store()
-        self._assigned = 0  # contexts already paired with a drained record
+        self._assigned = 0  # record contexts (contexts.cpp) already paired with a drained record
         self._pending: collections.deque = collections.deque()  # (batch, index, ctx, name) awaiting entries
         self._running = False
         self.linked = False  # attached to torch.profiler's events (integration.py)
@@ -223,7 +191,9 @@ class DeviceCapture:
         self._running = True
         worklog.add_drain_hook(self._on_drain)
         device_timeline.add_listener(self._on_entry, batches=self._on_batch)
-        _set_record_hook(self._on_record)
+        fast.contexts_start(_code_info, _classify_code, _Module, self._on_context if self.profile_memory else None)
+        self._threshold_before = int(runtime_ops().worklog_threshold())
+        runtime_ops().set_worklog_threshold(BATCH)
         return self
 
     def stop(self) -> "DeviceCapture":
@@ -232,10 +202,11 @@ class DeviceCapture:
         if not self._running:
             return self
         try:
-            _set_record_hook(None)
+            fast.contexts_stop()
             worklog.drain()
         finally:
-            _set_record_hook(None)
+            runtime_ops().set_worklog_threshold(self._threshold_before)
+            self.store.take_contexts()
             worklog.remove_drain_hook(self._on_drain)
             device_timeline.remove_listener(self._on_entry)
             self._running = False
@@ -250,16 +221,10 @@ class DeviceCapture:
         return self._running
 
     # ---- hot path ----------------------------------------------------------------------------
-    def _on_record(self, frame: Any) -> None:
-        """Called by the C++ work log right after it appended an op or copy record, inside the
-        call that issued it, with the issuing Python frame: note who issued it; price in batches."""
-        store = self.store
-        ctx = store.add_context(frame)
-        if self.profile_memory:
-            device = int(runtime_ops().current_device())
-            store.memory[ctx] = (device, *_device_stats(device))
-        if len(store.t_ns) - self._assigned >= BATCH:
-            worklog.drain()
+    def _on_context(self, ctx: int) -> None:
+        """Called after each context is noted, when profiling memory: the allocator's statistics."""
+        device = int(runtime_ops().current_device())
+        self.store.memory[ctx] = (device, *_device_stats(device))
 
     def _on_drain(self, records: np.ndarray) -> None:
         """A batch of records is about to be priced: pair each op/copy record with its context."""
@@ -270,11 +235,11 @@ class DeviceCapture:
             return
         batch = len(self.store.batches)
         self.store.batches.append(records)
-        available = len(self.store.t_ns)
+        contexts = _record_contexts(self._assigned, len(work))  # fewer for records logged before start()
+        self._assigned += len(contexts)
+        contexts += [-1] * (len(work) - len(contexts))
         names = op_names(records["op_id"][list(work)].tolist())
-        for i, name in zip(work, names):
-            ctx = self._assigned if self._assigned < available else -1
-            self._assigned += ctx >= 0
+        for i, name, ctx in zip(work, names, contexts):
             self._pending.append((batch, i, ctx, name))
 
     def _on_entry(self, entry: device_timeline.TimelineEntry) -> None:
@@ -323,7 +288,7 @@ class DeviceCapture:
     # ---- after the fact ----------------------------------------------------------------------
     def _finish(self) -> None:
         charged = sum(1 for b in self.store.batch if b < 0)  # contexts taken for charged entries
-        self.unmatched += len(self._pending) + max(0, len(self.store.t_ns) - self._assigned - charged)
+        self.unmatched += len(self._pending) + max(0, len(self.store.where) - self._assigned - charged)
         self._pending.clear()
         store = self.store
         for device, start in zip(store.device, store.start):

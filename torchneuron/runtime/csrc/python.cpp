@@ -11,8 +11,8 @@
 //   a compiled graph pauses the log around its host code and charges its plan on every call.
 // - signature(args, kwargs, float_marker): what adaptive eager mode keys an op call by, and where
 //   its tensors are, walked in C++ (see signature() below).
-// - stack_where(frame, ...): the profiler's attribution of a record to source line and modules
-//   (stack_where.cpp).
+// - contexts_start(...), context_record(frame), contexts_take(), ...: the profiler's issuer
+//   contexts, the source line and modules of each record (contexts.cpp, stack_where.cpp).
 #include "neuron.h"
 
 #include <ATen/EmptyTensor.h>
@@ -129,7 +129,7 @@ py::tuple signature(py::tuple args, py::dict kwargs, py::handle marker) {
 
 namespace torchneuron {
 void bind_adaptive_queue(py::module_& m);  // queue.cpp
-void bind_stack_where(py::module_& m);     // stack_where.cpp
+void bind_contexts(py::module_& m);        // contexts.cpp
 void set_adaptive_plan_cache(bool on);     // queue.cpp
 bool adaptive_plan_cache();                // queue.cpp
 }
@@ -243,5 +243,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_SIGS") = torchneuron::kMaxSigs;
   m.attr("OP_POLICY") = op_policy_bits();
   torchneuron::bind_adaptive_queue(m);
-  torchneuron::bind_stack_where(m);
+  torchneuron::bind_contexts(m);
 }
