@@ -28,7 +28,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <torch/csrc/Exceptions.h>
 
 #include <c10/util/accumulate.h>
 
@@ -226,13 +225,6 @@ struct ScanScope {
 };
 
 void flush_for(const std::string& cause) { adaptive_flush(cause.c_str()); }
-
-// Raises the pending Python exception through C++ (the Python bindings restore it, type included).
-[[noreturn]] void rethrow_python_error() {
-  python_error error;
-  error.persist();
-  throw error;
-}
 
 OpFacts& facts_of(const c10::OperatorHandle& op, int32_t id) {
   if (C10_UNLIKELY(static_cast<size_t>(id) >= g_facts.size())) g_facts.resize(id + 64);

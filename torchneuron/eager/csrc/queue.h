@@ -42,8 +42,6 @@ extern PyObject* g_queue_kind;  // queue_kind(name) -> kind | random bit
 extern PyObject* g_flush;     // flush_records(records) -> (actions, final)
 
 OpFacts& facts_of(const c10::OperatorHandle& op, int32_t id);
-// Raises the pending Python exception through C++ (the Python bindings restore it, type included).
-[[noreturn]] void rethrow_python_error();
 
 // ---- signatures and output plans ----
 using Words = std::vector<int64_t>;

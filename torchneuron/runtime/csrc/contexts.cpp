@@ -17,7 +17,6 @@
 // record_contexts(start, count) -> list[int], contexts_take() -> (where, node, seq, t_ns, thread).
 // on_context(index), when given, is called after each context is noted (memory sampling).
 #include <ATen/SequenceNumber.h>
-#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <chrono>
@@ -73,12 +72,6 @@ struct Recorder {
 };
 
 Recorder* g_recorder = nullptr;  // while recording (and until taken); used with the GIL held
-
-[[noreturn]] void rethrow_as_python_error() {
-  python_error error;
-  error.persist();
-  throw error;
-}
 
 int64_t intern_where(Recorder& r, py::tuple where) {
   const WhereKey key{where[0].ptr(), where[1].cast<long>(), where[2].ptr(), where[3].ptr(),
@@ -155,7 +148,7 @@ void record_hook() {
     r->record_contexts.push_back(note(*r, reinterpret_cast<PyObject*>(PyEval_GetFrame())));
   } catch (py::error_already_set& e) {  // raised through the op that issued the record, type included
     e.restore();
-    rethrow_as_python_error();
+    rethrow_python_error();
   }
 }
 

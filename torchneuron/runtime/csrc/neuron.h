@@ -102,9 +102,13 @@ void fill_sig_numel(TensorSig& s, c10::ScalarType dtype, int64_t numel);
 void worklog_append(WorkRecord& r, c10::DeviceIndex device);
 void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId stream, int64_t aux);
 // Called right after each op or copy record is appended, inside the call that issued it (the
-// profiler's per-record hook: stack_where.cpp's set_worklog_record_hook); nullptr: no hook.
+// profiler's per-record hook: contexts.cpp's issuer contexts); nullptr: no hook.
 using WorkRecordHook = void (*)();
 void set_worklog_record_hook(WorkRecordHook hook);
+
+// Raises the pending Python exception through C++ (the Python bindings restore it, type included;
+// python.cpp).
+[[noreturn]] void rethrow_python_error();
 
 // ---- ops (fallback.cpp) ----
 int32_t op_id_of(const c10::OperatorHandle& op);

@@ -19,6 +19,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -128,6 +129,12 @@ py::tuple signature(py::tuple args, py::dict kwargs, py::handle marker) {
 }  // namespace torchneuron
 
 namespace torchneuron {
+[[noreturn]] void rethrow_python_error() {
+  python_error error;
+  error.persist();
+  throw error;
+}
+
 void bind_adaptive_queue(py::module_& m);  // queue.cpp
 void bind_contexts(py::module_& m);        // contexts.cpp
 void set_adaptive_plan_cache(bool on);     // queue.cpp

@@ -87,7 +87,7 @@ void worklog_append(WorkRecord& r, c10::DeviceIndex device) {
   if (tl_draining) return;
   const WorkRecordHook hook = g_record_hook.load(std::memory_order_relaxed);
   if (C10_UNLIKELY(hook != nullptr)) {
-    without_reentry(hook);  // it may drain the log itself
+    without_reentry(hook);  // work the hook issues is logged, neither hooked nor drained
     std::lock_guard<std::mutex> lock(g_log_mutex);
     full = g_log.size() >= g_drain_threshold;
   }
