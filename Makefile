@@ -6,7 +6,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # the C++ sources of the one library torchneuron/runtime/_C.so (setup.py's CSRC_DIRS)
-CSRC_DIRS := torchneuron/runtime/csrc torchneuron/ops/csrc torchneuron/eager/csrc
+CSRC_DIRS := torchneuron/runtime/csrc torchneuron/ops/csrc torchneuron/eager/csrc torchneuron/serving/llm/csrc
 CSRC := $(wildcard $(addsuffix /*.cpp,$(CSRC_DIRS)) $(addsuffix /*.h,$(CSRC_DIRS)))
 PYTEST_ARGS ?=
 # test modules spread over this many processes (pytest-xdist); slow ones start first (tests/conftest.py)

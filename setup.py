@@ -1,6 +1,6 @@
 """Builds the C++ runtime of the software NeuronCore (torchneuron/runtime/_C): one library from
 the csrc/ folders beside the Python that owns them (runtime: device primitives; ops: op execution;
-eager: the adaptive queue).
+eager: the adaptive queue; serving/llm: vLLM's fused layers).
 
 Build with torch already installed and without build isolation, so pip never pulls a second
 torch into a build environment:  pip install --no-build-isolation -e .
@@ -15,7 +15,8 @@ os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
-CSRC_DIRS = ["torchneuron/runtime/csrc", "torchneuron/ops/csrc", "torchneuron/eager/csrc"]
+CSRC_DIRS = ["torchneuron/runtime/csrc", "torchneuron/ops/csrc", "torchneuron/eager/csrc",
+             "torchneuron/serving/llm/csrc"]
 
 setup(
     ext_modules=[

@@ -261,17 +261,20 @@ def test_bf16_norm_and_activation_equal_the_cpu_platform_bit_for_bit():
 
 def _timed_kernels() -> tuple[float, float, int]:
     """(ms from `start` to `middle`, ms from `middle` to `end`, records still pending in the work
-    log after the first kernel) of two serving kernels around an aten op and an event."""
+    log after the first kernel) of a Python-charged kernel (the MoE router's top-k) and two C++
+    ones (the norm, SiLU-and-mul, work-log records) around an aten op and an event."""
     from torchneuron.runtime import _C as fast
 
     dev = torch.device("neuron")
     x, w = torch.randn(8, 64, device=dev), torch.ones(64, device=dev)
     out = torch.empty_like(x)
+    weights = torch.empty(8, 2, device=dev)
+    ids, slots = (torch.empty(8, 2, dtype=torch.int32, device=dev) for _ in range(2))
     start, middle, end = (torch.neuron.Event(enable_timing=True) for _ in range(3))
     start.record()
     device_timeline.flush_pending()
     y = x + 1  # an op record pending in the work log when the next kernel is charged
-    ops.rms_norm(out, y, w, 1e-5)
+    torch.ops._moe_C.topk_softmax(weights, ids, slots, y, True, None, None)
     pending = fast.worklog_pending()
     middle.record()  # a control record pending when the next kernel is charged
     ops.silu_and_mul(torch.empty(8, 32, device=dev), y)
@@ -281,8 +284,9 @@ def _timed_kernels() -> tuple[float, float, int]:
 
 
 def test_kernels_charge_without_draining_the_work_log_and_the_same_time_as_when_watched(charged):
-    # without a listener a kernel leaves earlier op records pending (no per-kernel pricing in
-    # Python); the clocks, the events between kernels included, come out as when a listener watches
+    # without a listener a Python kernel leaves earlier op records pending (no per-kernel pricing
+    # in Python); the clocks, the events between kernels included, come out as when a listener
+    # watches, for the C++ kernels' work-log records as for the Python kernel's direct charge
     device_timeline.remove_listener(charged.append)
     unwatched = _timed_kernels()
     device_timeline.add_listener(charged.append)
@@ -290,3 +294,32 @@ def test_kernels_charge_without_draining_the_work_log_and_the_same_time_as_when_
     assert unwatched[2] > 0 and watched[2] == 0
     assert unwatched[0] == pytest.approx(watched[0], rel=1e-9) and unwatched[1] == pytest.approx(watched[1], rel=1e-9)
     assert watched[0] > 0 and watched[1] > 0
+
+
+def test_fused_layer_records_are_priced_as_the_work_they_do(charged):
+    # the C++ kernels' records hold at most four signatures: two writes of one dtype go as one of
+    # their bytes; each is priced as the Python kernels were (the op it does, plus the launch)
+    from torchneuron.hardware import model as perf_model
+
+    dev, bf16 = torch.device("neuron"), torch.bfloat16
+    x, residual = (torch.randn(6, 64, dtype=bf16, device=dev) for _ in range(2))
+    w = torch.ones(64, dtype=bf16, device=dev)
+    gate, act = torch.randn(6, 128, dtype=bf16, device=dev), torch.empty(6, 64, dtype=bf16, device=dev)
+    key, value = torch.randn(6, KV_HEADS, D, dtype=bf16, device=dev), torch.randn(6, KV_HEADS, D, dtype=bf16, device=dev)
+    kv_cache = torch.zeros(4, KV_HEADS, 2 * BLOCK, D, dtype=bf16, device=dev)
+    k_cache, v_cache = kv_cache.chunk(2, dim=2)
+    slots = torch.arange(6, device=dev)
+    ops.fused_add_rms_norm(x, residual, w, 1e-5)
+    ops.silu_and_mul(act, gate)
+    ops.reshape_and_cache(key, value, k_cache, v_cache, slots, "vec")
+    _names(charged)
+    got = {e.name: e.cost.duration_s for e in charged if e.name.startswith("neuron_serving::")}
+    sig = lambda t: (t.dtype, tuple(t.shape))  # noqa: E731
+    launch = perf_model.launch_cost()
+    norm = perf_model.op_cost("aten::rms_norm", [sig(x), sig(residual), sig(w)], [sig(x), sig(residual)])
+    silu = perf_model.op_cost("aten::silu", [sig(gate)], [sig(act)])
+    write = perf_model.kv_cache_write_cost(6, kv_heads=KV_HEADS, head_size=D, dtype=bf16)
+    assert got["neuron_serving::fused_add_rms_norm"] == pytest.approx(norm.duration_s + launch, rel=1e-9)
+    assert got["neuron_serving::silu_and_mul"] == pytest.approx(silu.duration_s + launch, rel=1e-9)
+    assert got["neuron_serving::reshape_and_cache"] == pytest.approx(write.duration_s + launch, rel=1e-9)
+    assert write.duration_s > 0

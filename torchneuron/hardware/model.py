@@ -608,11 +608,30 @@ def kv_cache_write_cost(tokens: int, *, kv_heads: int, head_size: int, dtype: to
     target = target or get_target()
     if tokens <= 0:
         return Cost(0.0, "dma", 0.0, 0.0, "latency")
+    return _finish(target, _kv_cache_write_work(target, tokens, kv_heads, head_size, dtype))
+
+
+def _kv_cache_write_work(target: Target, tokens: int, kv_heads: int, head_size: int, dtype: torch.dtype) -> _Work:
     nbytes = 2 * tokens * kv_heads * head_size * dtype.itemsize
     rows = 2 * tokens * kv_heads
     dma_s = _indirect_dma_s(target, rows, nbytes)
     address_s = _engine_passes(target, "gpsimd", tokens, 1)
-    return _finish(target, _Work({"gpsimd": address_s, "dma": dma_s}, 2 * nbytes + 8 * tokens, 0.0, engine="dma"))
+    return _Work({"gpsimd": address_s, "dma": dma_s}, 2 * nbytes + 8 * tokens, 0.0, engine="dma")
+
+
+def _reshape_and_cache_work(target: Target, name: str, ins: Sequence[TensorSig],
+                            outs: Sequence[TensorSig]) -> _Work | None:
+    """The serving KV-cache write (`neuron_serving::reshape_and_cache`): reads key [tokens,
+    kv_heads, head_size], value and the slot mapping, writes the cache (dtype from outs[0])."""
+    if len(ins) < 1 or len(outs) < 1 or len(ins[0][1]) != 3:
+        return None
+    tokens, kv_heads, head_size = ins[0][1]
+    if tokens <= 0:
+        return _Work({"dma": 0.0}, 0.0, 0.0, engine="dma")
+    return _kv_cache_write_work(target, tokens, kv_heads, head_size, outs[0][0])
+
+
+_SPECIAL_WORK["reshape_and_cache"] = _reshape_and_cache_work
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ _CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
         "pow float_power logit logaddexp logaddexp2 sigmoid_backward tanh_backward gelu_backward",
         "silu_backward mish_backward softplus_backward elu_backward logit_backward lgamma digamma",
         "polygamma sinc xlogy special_xlog1py glu glu_backward log_sigmoid_forward",
-        "log_sigmoid_backward"),
+        "log_sigmoid_backward silu_and_mul"),
     "reduction": split_names(
         "sum mean amax amin max min prod norm linalg_vector_norm argmax argmin all any aminmax",
         "nansum nanmean count_nonzero logsumexp var std var_mean std_mean _cdist_forward",
@@ -54,7 +54,7 @@ _CATEGORY_NAMES: dict[str, tuple[str, ...]] = {
     "softmax_backward": split_names("_softmax_backward_data _log_softmax_backward_data"),
     "norm": split_names("native_layer_norm layer_norm native_batch_norm _native_batch_norm_legit",
                    "_native_batch_norm_legit_no_training _native_batch_norm_legit_functional",
-                   "batch_norm native_group_norm group_norm rms_norm _fused_rms_norm",
+                   "batch_norm native_group_norm group_norm rms_norm _fused_rms_norm fused_add_rms_norm",
                    "instance_norm _batch_norm_with_update _batch_norm_no_update"),
     "norm_backward": split_names("native_layer_norm_backward native_batch_norm_backward",
                             "native_group_norm_backward _fused_rms_norm_backward",

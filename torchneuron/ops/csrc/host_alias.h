@@ -40,4 +40,21 @@ at::Tensor to_device(at::Tensor o, c10::DeviceIndex index);
 // back what it may have changed: a reallocation (resize_), a storage swap (set_), the geometry.
 void sync_back(const at::Tensor& a, const at::Tensor& t, c10::StorageImpl* ast);
 
+// Appends one op record for work a kernel of our own did on device `index`'s current stream (a
+// no-op with the work log off): the signatures of what it read, then of what it wrote (at most
+// kMaxSigs in all, one written at least). kernels.cpp.
+void record_kernel(const c10::OperatorHandle& op, std::initializer_list<TensorSig> reads,
+                   std::initializer_list<TensorSig> writes, c10::DeviceIndex index);
+inline TensorSig sig_of(const at::Tensor& t) {
+  TensorSig s;
+  fill_sig(s, t);
+  return s;
+}
+// A flat signature of `numel` elements: several tensors of one dtype as one (their bytes add up).
+inline TensorSig sig_of_numel(c10::ScalarType dtype, int64_t numel) {
+  TensorSig s;
+  fill_sig_numel(s, dtype, numel);
+  return s;
+}
+
 }  // namespace torchneuron

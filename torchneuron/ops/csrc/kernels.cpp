@@ -15,26 +15,48 @@
 
 namespace torchneuron {
 
-// Appends one record for work done by a kernel of our own (not the fallback).
-static void record_work(WorkKind kind, const c10::OperatorHandle& op, int32_t flags,
-                        std::initializer_list<const Tensor*> inputs, std::initializer_list<const Tensor*> outputs,
-                        DeviceIndex index) {
+// Appends one record of `kind` for work done by a kernel of our own (not the fallback): sigs
+// [0, n_inputs) read, [n_inputs, n) written.
+static void append_record(WorkKind kind, int32_t op_id, int32_t flags, const TensorSig* sigs, int n, int n_inputs,
+                          DeviceIndex index) {
   WorkRecord rec;
   rec.kind = static_cast<int32_t>(kind);
-  rec.op_id = op_id_of(op);
+  rec.op_id = op_id;
   rec.flags = flags;
   rec.aux = 0;
   rec.host_seconds = 0;
   rec.pad = 0;
-  int n = 0;
-  for (const Tensor* t : inputs)
-    if (n < kMaxSigs - 1 && t->defined()) fill_sig(rec.sigs[n++], *t);
-  rec.n_inputs = n;
-  for (const Tensor* t : outputs)
-    if (n < kMaxSigs && t->defined()) fill_sig(rec.sigs[n++], *t);
+  for (int k = 0; k < n; ++k) rec.sigs[k] = sigs[k];
+  rec.n_inputs = n_inputs;
   rec.n_sigs = n;
   for (int k = n; k < kMaxSigs; ++k) fill_sig(rec.sigs[k], Tensor());  // zeroed: records are hashed
   worklog_append(rec, index);
+}
+
+static void record_work(WorkKind kind, const c10::OperatorHandle& op, int32_t flags,
+                        std::initializer_list<const Tensor*> inputs, std::initializer_list<const Tensor*> outputs,
+                        DeviceIndex index) {
+  TensorSig sigs[kMaxSigs];
+  int n = 0;
+  for (const Tensor* t : inputs)
+    if (n < kMaxSigs - 1 && t->defined()) fill_sig(sigs[n++], *t);
+  const int n_inputs = n;
+  for (const Tensor* t : outputs)
+    if (n < kMaxSigs && t->defined()) fill_sig(sigs[n++], *t);
+  append_record(kind, op_id_of(op), flags, sigs, n, n_inputs, index);
+}
+
+void record_kernel(const c10::OperatorHandle& op, std::initializer_list<TensorSig> reads,
+                   std::initializer_list<TensorSig> writes, DeviceIndex index) {
+  if (!worklog_enabled()) return;
+  TORCH_INTERNAL_ASSERT(reads.size() + writes.size() <= kMaxSigs && writes.size() > 0,
+                        "a work record holds at most ", kMaxSigs, " signatures, one of them written");
+  TensorSig sigs[kMaxSigs];
+  int n = 0;
+  for (const TensorSig& s : reads) sigs[n++] = s;
+  const int n_inputs = n;
+  for (const TensorSig& s : writes) sigs[n++] = s;
+  append_record(WorkKind::kOp, op_id_of(op), 0, sigs, n, n_inputs, index);
 }
 
 static void record_copy(const Tensor& src, const Tensor& dst) {

@@ -4,7 +4,9 @@ with the residual add), rotary embedding, SiLU-and-mul.
 Each is a torch op in the `neuron_serving` namespace with a PrivateUse1 kernel, so every call is
 one device kernel: it computes on zero-copy host views of the device tensors (the software
 NeuronCore's kernels run on the host), then charges one kernel to the device timeline priced by the
-performance model. The arithmetic is what vLLM's CPU platform runs, so results match it bit for bit
+performance model. The per-layer ones (the norms, SiLU-and-mul, rotary embedding, the KV-cache
+write) are C++ (csrc/fused_layers.cpp): they append a work-log record, priced by name like any op;
+paged attention and the MoE router are below. The arithmetic is what vLLM's CPU platform runs, so results match it bit for bit
 in every dtype: its C++ kernels for attention, the KV-cache write and rotary embedding; for RMSNorm
 and SiLU-and-mul, which the CPU platform runs as PyTorch-native code, the native rounding points
 (RMSNorm: normalise in float32, round to the input dtype, then multiply by the weight in its dtype;
@@ -20,9 +22,9 @@ decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_at
 reads vLLM's cache through the block table, computes on the host with the kernel's numerics and
 is charged the kernel's simulated latency (kernels/pricing.py).
 
-The host time of a decode step is vLLM's own plus the kernels' host work: each kernel's cost is
-looked up per (kernel, signature, target), priced only the first time, and charged straight to
-its stream's clock unless a listener watches the timeline entry by entry (_enqueue).
+The host time of a decode step is vLLM's own plus the kernels' host work: each Python kernel's
+cost is looked up per (kernel, signature, target), priced only the first time, and charged
+straight to its stream's clock unless a listener watches the timeline entry by entry (_enqueue).
 """
 from __future__ import annotations
 
@@ -116,63 +118,6 @@ def _ready() -> None:
     """Device memory is read directly below: run anything adaptive eager mode still queues."""
     if eager.pending():
         eager.flush()
-
-
-def _normalise(summed: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """RMSNorm of float32 rows with vLLM-native's (and transformers') rounding points."""
-    normed = summed * torch.rsqrt(summed.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (normed.to(weight.dtype) * weight).to(dtype)
-
-
-def _rms_norm(out, x, weight, eps):
-    _ready()
-    hx = _host(x)
-    _host(out).copy_(_normalise(hx.float(), _host(weight), eps, hx.dtype))
-    _charge("rms_norm", (x.dtype, x.shape, weight.dtype, weight.shape, out.dtype, out.shape),
-            lambda: perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(weight)], [_sig(out)]), x)
-
-
-def _fused_add_rms_norm(x, residual, weight, eps):
-    _ready()
-    hx, hres = _host(x), _host(residual)
-    summed = hx.float() + hres.float()
-    hres.copy_(summed)  # the new residual, rounded to its dtype; the norm reads the float32 sum
-    hx.copy_(_normalise(summed, _host(weight), eps, hx.dtype))
-    # one pass: read x and residual, write the sum (new residual) and the normalised x
-    _charge("fused_add_rms_norm", (x.dtype, x.shape, residual.dtype, residual.shape, weight.dtype, weight.shape),
-            lambda: perf_model.op_cost("aten::rms_norm", [_sig(x), _sig(residual), _sig(weight)],
-                                       [_sig(x), _sig(residual)]), x)
-
-
-def _silu_and_mul(out, x):
-    _ready()
-    hx = _host(x)
-    half = hx.shape[-1] // 2
-    torch.mul(torch.nn.functional.silu(hx[..., :half]), hx[..., half:], out=_host(out))
-    _charge("silu_and_mul", (x.dtype, x.shape, out.dtype, out.shape),
-            lambda: perf_model.op_cost("aten::silu", [_sig(x)], [_sig(out)]), x)
-
-
-def _rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
-    _ready()
-    torch.ops._C.rotary_embedding(_host(positions), _host(query), _host(key), head_size, _host(cos_sin_cache), is_neox)
-
-    def price() -> perf_model.Cost:
-        rows = (cos_sin_cache.dtype, (positions.numel(), cos_sin_cache.shape[-1]))  # the cos/sin rows gathered
-        written = [_sig(query)] + ([_sig(key)] if key is not None else [])
-        return perf_model.op_cost("neuron_serving::rotary_embedding", [_sig(positions), rows] + written, written)
-
-    _charge("rotary_embedding", (positions.dtype, positions.shape, cos_sin_cache.dtype, cos_sin_cache.shape[-1],
-                                 query.dtype, query.shape, None if key is None else (key.dtype, key.shape)), price, query)
-
-
-def _reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa):
-    _ready()
-    torch.ops._C.cpu_attn_reshape_and_cache(_host(key), _host(value), _host(key_cache), _host(value_cache),
-                                            _host(slot_mapping), isa, 1.0, 1.0, "auto")
-    _charge("reshape_and_cache", (key.shape[0], key.shape[1], key.shape[2], key_cache.dtype),
-            lambda: perf_model.kv_cache_write_cost(key.shape[0], kv_heads=key.shape[1], head_size=key.shape[2],
-                                                   dtype=key_cache.dtype), key)
 
 
 # the price of the last step's attention: every layer of a step attends over the same lengths
@@ -306,10 +251,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
                         alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, sinks)
 
 
-for _name, _fn in [("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rms_norm),
-                   ("silu_and_mul", _silu_and_mul), ("rotary_embedding", _rotary_embedding),
-                   ("reshape_and_cache", _reshape_and_cache), ("paged_attention", _paged_attention)]:
-    _LIB.impl(_name, _fn, "PrivateUse1")
+# rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding and reshape_and_cache have C++
+# kernels (csrc/fused_layers.cpp, registered for these schemas when the runtime loads)
+_LIB.impl("paged_attention", _paged_attention, "PrivateUse1")
 
 ops = torch.ops.neuron_serving
 
