@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from torchneuron.ops import policy
@@ -55,3 +56,76 @@ def test_an_error_noting_a_records_context_reaches_the_caller_and_leaves_the_dev
         _C.contexts_take()
     assert torch.equal((a + 1).cpu(), torch.full((4,), 2.0))  # no hook left behind
     assert _C.context_count() == 0
+
+
+def _two_stream_run() -> tuple[int, float, float, dict[str, float]]:
+    """(records pending after 40 repeated ops, ms of stream A's work, ms until stream B's work
+    after it waited for A, engine busy seconds) of the same program, priced once beforehand."""
+    from torchneuron.hardware import timeline as device_timeline
+    from torchneuron.hardware import worklog as hw_worklog
+
+    x, y = torch.randn(256, device="neuron"), torch.randn(32, 32, device="neuron")
+    side = torch.neuron.Stream()
+    x.add_(1), y @ y
+    hw_worklog.drain()  # both signatures priced (and taught to the runtime)
+    timeline = device_timeline.get_timeline(0)
+    busy_before = timeline.engine_busy_s()
+    start, middle, end = (torch.neuron.Event(enable_timing=True) for _ in range(3))
+    start.record()
+    for _ in range(20):
+        x.add_(1)
+        y @ y
+    pending = _C.worklog_pending()
+    middle.record()
+    with torch.neuron.stream(side):
+        side.wait_event(middle)
+        for _ in range(5):
+            y @ y
+        end.record(side)
+    busy = {k: v - busy_before.get(k, 0.0) for k, v in timeline.engine_busy_s().items()}
+    return pending, start.elapsed_time(middle), middle.elapsed_time(end), busy
+
+
+def test_records_of_known_price_fold_per_stream_and_time_as_when_watched():
+    # nobody watching: the 40 repeated ops of known price are one pending FOLDED record (plus the
+    # event before them); a listener sees every record, and the clocks, events across streams and
+    # engine busy times come out the same
+    from torchneuron.hardware import timeline as device_timeline
+
+    folded = _two_stream_run()
+    entries = []
+    device_timeline.add_listener(entries.append)
+    try:
+        watched = _two_stream_run()
+    finally:
+        device_timeline.remove_listener(entries.append)
+    assert folded[0] == 2 and watched[0] == 41
+    assert folded[1] == pytest.approx(watched[1], rel=1e-9) and folded[2] == pytest.approx(watched[2], rel=1e-9)
+    assert folded[1] > 0 and folded[2] > 0
+    assert folded[3].keys() == watched[3].keys()
+    assert all(folded[3][k] == pytest.approx(watched[3][k], rel=1e-9) for k in watched[3])
+
+
+def test_a_new_target_prices_again_what_was_folded_before():
+    # a price taught for one target is not used on another: the same program times differently
+    from torchneuron.hardware import worklog as hw_worklog
+    from torchneuron.hardware.targets import get_target, set_target
+
+    y = torch.randn(64, 64, device="neuron")
+    before = get_target().name
+    times = []
+    try:
+        for target in ("trn1", "trn2", "trn1"):
+            set_target(target)
+            y @ y
+            hw_worklog.drain()
+            a, b = (torch.neuron.Event(enable_timing=True) for _ in range(2))
+            a.record()
+            for _ in range(10):
+                y @ y
+            b.record()
+            assert _C.worklog_pending() == 3  # the events and the folded products
+            times.append(a.elapsed_time(b))
+    finally:
+        set_target(before)
+    assert times[0] != pytest.approx(times[1], rel=1e-3) and times[0] == pytest.approx(times[2], rel=1e-9)

@@ -100,6 +100,15 @@ _batch_listeners: dict[Listener, BatchListener] = {}
 _listeners_lock = threading.Lock()
 
 
+_listeners_watchers: list[Callable[[], None]] = []
+
+
+def on_listeners_change(fn: Callable[[], None]) -> None:
+    """Call `fn()` after every listener added or removed (the work log folds records only while
+    there is none)."""
+    _listeners_watchers.append(fn)
+
+
 def add_listener(fn: Listener, batches: BatchListener | None = None) -> None:
     """Call `fn(entry)` for every entry enqueued on any timeline from now on; with `batches`,
     the work-log records of a drain reach `batches(EntryBatch)` instead, in one call."""
@@ -108,6 +117,8 @@ def add_listener(fn: Listener, batches: BatchListener | None = None) -> None:
         _listeners = _listeners + (fn,)
         if batches is not None:
             _batch_listeners[fn] = batches
+    for watcher in _listeners_watchers:
+        watcher()
 
 
 def deliver(batch: EntryBatch) -> None:
@@ -136,6 +147,8 @@ def remove_listener(fn: Listener) -> None:
         _listeners = tuple(listeners)
         if fn not in _listeners:
             _batch_listeners.pop(fn, None)
+    for watcher in _listeners_watchers:
+        watcher()
 
 
 # Producers of device work that is recorded but not yet priced (the runtime's work log). Readers

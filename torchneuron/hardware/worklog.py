@@ -5,6 +5,10 @@ module takes them as a numpy structured array, prices each distinct op signature
 model (cached), and replays records in order on each device's DeviceTimeline: ops and copies
 advance their stream's clock, event records note it, waits and synchronisations join clocks.
 `Event.elapsed_time` and every reader of the timeline call `drain()` first.
+
+Every price it caches it also teaches the runtime: while no listener or drain hook needs records one
+by one, the runtime folds records of known price into one FOLDED record per stream (their summed
+seconds and engine busy times) instead of logging them, and a drain charges those in bulk.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from torchneuron.hardware import timeline as device_timeline
 from torchneuron.hardware.timeline import add_pending_source
 from torchneuron.runtime.extension import runtime_ops
 from torchneuron.runtime.worklog import (
-    COPY, DEVICE_TO_DEVICE, EVENT_RECORD, EVENT_WAIT, FALLBACK, HOST_TO_DEVICE, RECORD, SYNC_DEVICE, SYNC_EVENT,
-    SYNC_STREAM, check_layout, is_enabled, op_name, op_names, set_enabled, signature, take,
+    COPY, DEVICE_TO_DEVICE, EVENT_RECORD, EVENT_WAIT, FALLBACK, FOLD_ENGINES, FOLDED, HOST_TO_DEVICE, RECORD,
+    SYNC_DEVICE, SYNC_EVENT, SYNC_STREAM, check_layout, forget_prices, is_enabled, learn_price, op_name, op_names,
+    set_enabled, set_folding, signature, take,
 )
 
 __all__ = ["add_drain_hook", "charge", "drain", "event_elapsed_ms", "install", "is_enabled", "remove_drain_hook",
@@ -31,6 +36,30 @@ __all__ = ["add_drain_hook", "charge", "drain", "event_elapsed_ms", "install", "
 _price_cache: dict[bytes, Any] = {}
 _event_times: dict[int, tuple[int, float]] = {}
 _drain_hooks: list[Callable[[np.ndarray], None]] = []
+_engines: list[str] = []  # engine names by the index the runtime's folded records use
+
+
+def _cache_price(key: bytes, cost: Any) -> None:
+    """Caches the price of records with price key `key`, here and in the runtime (folding)."""
+    _price_cache[key] = cost
+    if cost.engine not in _engines:
+        _engines.append(cost.engine)
+    learn_price(key, cost.duration_s, _engines.index(cost.engine))
+
+
+_FOLDED_BUSY = struct.Struct(f"<{FOLD_ENGINES}d")
+_FOLDED_BUSY_AT = RECORD.fields["sigs"][1]
+
+
+def _folded_busy(data: bytes, at: int) -> dict[str, float]:
+    """The engine busy seconds of the FOLDED record at byte `at` of `data`."""
+    busy = _FOLDED_BUSY.unpack_from(data, at + _FOLDED_BUSY_AT)
+    return {_engines[e]: b for e, b in enumerate(busy) if b}
+
+
+def _update_folding() -> None:
+    """Folding is on while no listener and no drain hook needs the records one by one."""
+    set_folding(not _drain_hooks and not device_timeline.has_listeners())
 
 
 def _price(record: np.void) -> Any:
@@ -86,7 +115,7 @@ def _price_unique(records: np.ndarray) -> tuple[list[Any], np.ndarray]:
         if cost is None:
             cost = _price(records[index])
             if not int(records[index]["flags"]) & FALLBACK:
-                _price_cache[key_bytes] = cost
+                _cache_price(key_bytes, cost)
         priced.append(cost)
     for i in np.flatnonzero(records["flags"] & FALLBACK):
         inverse[i] = len(priced)
@@ -175,7 +204,8 @@ def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
                 key = b"".join(data[at + a:at + b] if zeros is None else zeros for a, b, zeros in _KEY_SPANS)
                 cost = _price_cache.get(key)
                 if cost is None:
-                    cost = _price_cache[key] = _price(records[i])
+                    cost = _price(records[i])
+                    _cache_price(key, cost)
             if bulk:
                 run = runs.get((device, stream))
                 if run is None:
@@ -184,6 +214,19 @@ def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
                 run[1][cost.engine] = run[1].get(cost.engine, 0.0) + cost.duration_s
                 run[2] += 1
                 continue
+        elif kind == FOLDED:
+            busy = _folded_busy(data, at)
+            if bulk:
+                run = runs.get((device, stream))
+                if run is None:
+                    run = runs[device, stream] = [0.0, {}, 0]
+                run[0] += struct.unpack_from("<d", data, at + _HOST_SECONDS_AT)[0]
+                for engine, b in busy.items():
+                    run[1][engine] = run[1].get(engine, 0.0) + b
+                run[2] += aux
+            else:
+                _advance_folded(device, stream, data, at, device_timeline)
+            continue
         if runs:
             _advance_runs(runs, device_timeline)
         _apply(kind, device, stream, op_id, flags, aux, cost, device_timeline)
@@ -236,8 +279,21 @@ def _entry_batch(records: np.ndarray, charged: list[tuple[np.ndarray, np.ndarray
         record=index.tolist())
 
 
+def _advance_folded(device: int, stream: int, data: bytes, at: int, device_timeline: Any) -> None:
+    """Charges the FOLDED record at byte `at` of `data` to its stream (no listener sees it)."""
+    seconds, = struct.unpack_from("<d", data, at + _HOST_SECONDS_AT)
+    count, = struct.unpack_from("<q", data, at + _AUX_AT)
+    device_timeline.get_timeline(device).advance(stream, seconds, _folded_busy(data, at), count)
+
+
+_HOST_SECONDS_AT, _AUX_AT = RECORD.fields["host_seconds"][1], RECORD.fields["aux"][1]
+
+
 def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:
-    """Applies one control record to its device timeline."""
+    """Applies one control (or FOLDED) record to its device timeline."""
+    if int(record["kind"]) == FOLDED:
+        _advance_folded(int(record["device"]), int(record["stream"]), record.tobytes(), 0, device_timeline)
+        return
     _apply(int(record["kind"]), int(record["device"]), int(record["stream"]), int(record["op_id"]),
            int(record["flags"]), int(record["aux"]), cost, device_timeline)
 
@@ -296,13 +352,16 @@ def event_elapsed_ms(start: int, end: int) -> float:
 
 
 def add_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
-    """`fn(records)` sees every drained batch of raw records first (used by the profiler)."""
+    """`fn(records)` sees every drained batch of raw records first (used by the profiler); no
+    record is folded while it is there."""
     _drain_hooks.append(fn)
+    _update_folding()
 
 
 def remove_drain_hook(fn: Callable[[np.ndarray], None]) -> None:
     if fn in _drain_hooks:
         _drain_hooks.remove(fn)
+    _update_folding()
 
 
 _registrations: list[torch.library.Library] = []
@@ -314,5 +373,7 @@ def install() -> None:
     lib.impl("_worklog_full", drain, "CompositeExplicitAutograd")
     lib.impl("_event_elapsed_ms", event_elapsed_ms, "CompositeExplicitAutograd")
     _registrations.append(lib)
-    on_target_change(lambda target: (drain(), _price_cache.clear()))
+    on_target_change(lambda target: (drain(), _price_cache.clear(), forget_prices()))
     add_pending_source(drain)
+    device_timeline.on_listeners_change(_update_folding)
+    _update_folding()

@@ -17,11 +17,13 @@ from torchneuron.runtime import _C
 from torchneuron.runtime.extension import runtime_ops
 
 # Defined once, in C++ (csrc/neuron.h: WorkKind, WorkFlags, WorkRecord), exported through _C.
-OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT = (
-    _C.WORK_KINDS[k] for k in ("OP", "COPY", "EVENT_RECORD", "EVENT_WAIT", "SYNC_DEVICE", "SYNC_STREAM", "SYNC_EVENT"))
+OP, COPY, EVENT_RECORD, EVENT_WAIT, SYNC_DEVICE, SYNC_STREAM, SYNC_EVENT, FOLDED = (
+    _C.WORK_KINDS[k] for k in ("OP", "COPY", "EVENT_RECORD", "EVENT_WAIT", "SYNC_DEVICE", "SYNC_STREAM", "SYNC_EVENT",
+                               "FOLDED"))
 FALLBACK, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE = (
     _C.WORK_FLAGS[k] for k in ("FALLBACK", "HOST_TO_DEVICE", "DEVICE_TO_HOST", "DEVICE_TO_DEVICE"))
 MAX_SIGS = _C.MAX_SIGS
+FOLD_ENGINES = _C.FOLD_ENGINES  # engines a FOLDED record's busy seconds cover (its sigs, as float64)
 RECORD = np.dtype(_C.WORK_RECORD_DTYPE)
 
 # c10::ScalarType codes (c10/core/ScalarType.h) -> torch dtypes
@@ -69,6 +71,24 @@ def take() -> np.ndarray:
     if raw.numel() == 0:
         return np.empty(0, dtype=RECORD)
     return np.frombuffer(raw.numpy(), dtype=RECORD)
+
+
+def set_folding(on: bool) -> bool:
+    """Turns folding on or off (returns whether it was on): records whose price was taught are
+    summed per stream into FOLDED records as they are appended (csrc/worklog.cpp). Only while
+    nobody needs the records one by one."""
+    return bool(_C.worklog_fold(bool(on)))
+
+
+def learn_price(key: bytes, seconds: float, engine: int) -> None:
+    """Teaches folding the price of records with price key `key` (a record's bytes, its device,
+    stream, aux and host_seconds words zeroed): `seconds` on engine number `engine`."""
+    _C.worklog_learn_price(key, float(seconds), int(engine))
+
+
+def forget_prices() -> None:
+    """Drops every taught price (what was folded at them stays charged as it was)."""
+    _C.worklog_forget_prices()
 
 
 def set_enabled(on: bool) -> None:

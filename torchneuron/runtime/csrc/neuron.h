@@ -51,6 +51,8 @@ enum class WorkKind : int32_t {
   kSyncDevice = 4,  // the host waited for the whole device
   kSyncStream = 5,  // the host waited for one stream
   kSyncEvent = 6,   // the host waited for event aux
+  kFolded = 7,      // work of one stream whose prices were known, summed (worklog.cpp's folding):
+                    // aux = records, host_seconds = their seconds, sigs = busy seconds per engine
 };
 enum WorkFlags : int32_t {
   kFallback = 1,    // the op has no NeuronCore implementation: it ran on the host
@@ -105,6 +107,15 @@ void worklog_control(WorkKind kind, c10::DeviceIndex device, c10::StreamId strea
 // profiler's per-record hook: contexts.cpp's issuer contexts); nullptr: no hook.
 using WorkRecordHook = void (*)();
 void set_worklog_record_hook(WorkRecordHook hook);
+// Folding (worklog.cpp): with it on and no record hook, an op or copy record whose price key
+// Python has taught (worklog_learn_price) is summed into its stream's kFolded record instead of
+// logged. Python turns it on only while nobody watches the timeline record by record.
+bool worklog_exchange_fold(bool on);
+// `key`: a record's bytes with its non-key words (device|stream, aux, host_seconds) zeroed;
+// `engine` < kFoldEngines: the index of the engine it keeps busy, in Python's engine list.
+void worklog_learn_price(const std::string& key, double seconds, int64_t engine);
+void worklog_forget_prices();
+constexpr int kFoldEngines = kMaxSigs * sizeof(TensorSig) / sizeof(double);
 
 // Raises the pending Python exception through C++ (the Python bindings restore it, type included;
 // python.cpp).

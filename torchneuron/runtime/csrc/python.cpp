@@ -9,6 +9,8 @@
 // - worklog_exchange_enabled(on) -> was_on, worklog_pending(), worklog_pending_control(): the
 //   work log's switch, its size and its control records (events, waits, syncs) not yet drained;
 //   a compiled graph pauses the log around its host code and charges its plan on every call.
+// - worklog_fold(on), worklog_learn_price(key, seconds, engine), worklog_forget_prices(): the
+//   folding of already-priced records (worklog.cpp), switched and taught by hardware/worklog.py.
 // - signature(args, kwargs, float_marker): what adaptive eager mode keys an op call by, and where
 //   its tensors are, walked in C++ (see signature() below).
 // - contexts_start(...), context_record(frame), contexts_take(), ...: the profiler's issuer
@@ -193,6 +195,7 @@ py::dict work_kinds() {
   d["SYNC_DEVICE"] = static_cast<int>(WorkKind::kSyncDevice);
   d["SYNC_STREAM"] = static_cast<int>(WorkKind::kSyncStream);
   d["SYNC_EVENT"] = static_cast<int>(WorkKind::kSyncEvent);
+  d["FOLDED"] = static_cast<int>(WorkKind::kFolded);
   return d;
 }
 
@@ -240,6 +243,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("worklog_pending", &torchneuron::worklog_pending_count, "Records not yet drained");
   m.def("worklog_pending_control", &torchneuron::worklog_pending_control_count,
         "Event, wait and synchronisation records not yet drained");
+  m.def("worklog_fold", &torchneuron::worklog_exchange_fold,
+        "Turns folding of already-priced records on or off (worklog.cpp); returns whether it was on", py::arg("on"));
+  m.def("worklog_learn_price", [](py::bytes key, double seconds, int64_t engine) {
+    torchneuron::worklog_learn_price(std::string(key), seconds, engine);
+  }, "Teaches folding a record's price: its key bytes, seconds, engine index", py::arg("key"), py::arg("seconds"),
+        py::arg("engine"));
+  m.def("worklog_forget_prices", &torchneuron::worklog_forget_prices, "Drops every taught price (a new target)");
+  m.attr("FOLD_ENGINES") = torchneuron::kFoldEngines;
   m.def("signature", &torchneuron::signature,
         "(signature, tensors, floats, placement) of an op call's arguments; placement: 0 no neuron tensor, "
         "1 some, 2 all (and all plain Tensors or Parameters)");
