@@ -140,7 +140,7 @@ def test_decode_step_runs_the_nki_kernel_charged_its_simulated_latency(charged):
     for i, (k, v) in enumerate(contexts):
         torch.testing.assert_close(out[i:i + 1].cpu(), _reference_attention(q[i:i + 1], k, v, 1), rtol=1e-4, atol=1e-4)
     device_timeline.flush_pending()
-    kernel = [e for e in charged if e.name == "nki::decode_attention"]
+    kernel = [e for e in charged if e.name == "nki_kernels::decode_attention"]
     assert len(kernel) == 1 and "neuron_serving::paged_attention" not in _names(charged)
     b, blocks = len(ctx_lens), math.ceil(max(ctx_lens) / BLOCK)  # the table's columns the kernel walks
     holders = (nt.tensor[(b, 1, HEADS, D), torch.float32], nt.tensor[tuple(rows.shape), torch.float32],
@@ -165,7 +165,7 @@ def test_decode_step_the_kernel_cannot_take_warns_once_and_runs_vllms_kernel(cha
     with pytest.warns(UserWarning, match="no logits soft-capping"):
         kernels.paged_attention(*args)
     assert "neuron_serving::paged_attention" in _names(charged)
-    assert "nki::decode_attention" not in _names(charged)
+    assert "nki_kernels::decode_attention" not in _names(charged)
     policy.set_strict(True)
     try:
         with pytest.raises(ValueError, match="strict mode forbids"):

@@ -52,7 +52,7 @@ def test_decode_steps_run_the_nki_decode_attention_kernel(engine):
         device_timeline.remove_listener(entries.append)
     names = [e.name for e in entries]
     layers = 2  # tiny_models: num_hidden_layers
-    assert names.count("nki::decode_attention") >= 3 * layers  # the 3 decode steps after the prefill
+    assert names.count("nki_kernels::decode_attention") >= 3 * layers  # the 3 decode steps after the prefill
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 

@@ -47,13 +47,13 @@ def test_profiled_serving_run_shows_device_time_per_op(tiny_model, tmp_path, cap
     kernels = load_profile(runs[0])["kernels"]
     per_op = kernels.groupby("name")["total_us"].sum()
     # prefill runs neuron_serving::paged_attention, decode steps the NKI decode-attention kernel
-    attention = per_op.get("neuron_serving::paged_attention", 0.0) + per_op.get("nki::decode_attention", 0.0)
+    attention = per_op.get("neuron_serving::paged_attention", 0.0) + per_op.get("nki_kernels::decode_attention", 0.0)
     matmul = per_op[[n for n in per_op.index if n.startswith(("aten::mm", "aten::addmm", "aten::linear"))]].sum()
     assert attention > 0 and matmul > 0, per_op
     # 8 tokens each: one prefill step and 7 decode steps, 2 layers each
     calls = kernels.groupby("name")["count"].sum()
     assert calls.get("neuron_serving::paged_attention", 0) >= 2, calls
-    assert calls.get("nki::decode_attention", 0) >= 2 * 7, calls
+    assert calls.get("nki_kernels::decode_attention", 0) >= 2 * 7, calls
 
     assert explorer([profile_dir]) == 0
     out = capsys.readouterr().out

@@ -150,8 +150,9 @@ def decode_kernel_seconds(target: Target, b: int, t: int, hq: int, hk: int, d: i
 
 def decode_attention_seconds(target: Target, name: str, ins: Sequence, outs: Sequence) -> float | None:
     """The performance model's pricer for the paged-attention category: `decode_attention(q,
-    kv_cache, block_table, context_lens)` by the kernel; None for operands it refuses."""
-    if len(ins) < 4:
+    kv_cache, block_table[, context_lens])` by the kernel (the lengths change nothing: it walks
+    the table's width); None for operands it refuses."""
+    if len(ins) < 3:
         return None
     try:
         b, t, hq, d, hk, bs, blocks, _ = da.check_shapes(*(nt.tensor[shape, dtype] for dtype, shape in ins[:3]))

@@ -10,7 +10,7 @@
 // numerators rounded to the input dtype before P V (the kernel's p tile enters the Tensor engine
 // in it); P V accumulated in fp32 and the output rounded once. Token i of a sequence of length n
 // sees keys [0, n - T + i].
-#include "neuron.h"
+#include "decode_attention.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -74,6 +74,8 @@ void attend_group(const scalar_t* q, const scalar_t* cache, const int64_t* block
   for (int64_t i = 0; i < group * d; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 
+}  // namespace
+
 at::Tensor paged_decode_attention_host(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                        const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 4 && kv_cache.dim() == 4 && block_table.dim() == 2,
@@ -116,8 +118,6 @@ at::Tensor paged_decode_attention_host(const at::Tensor& q, const at::Tensor& kv
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
   m.def("paged_decode_attention_host(Tensor q, Tensor kv_cache, Tensor block_table, Tensor context_lens, "

@@ -59,7 +59,8 @@ class NeuronAttentionImpl(CPUAttentionBackendImpl):
         kernels.paged_attention(query[:n], _rows(kv_cache), output[:n], attn_metadata.query_start_loc,
                                 attn_metadata.seq_lens, layer.isa, self.scale, attn_metadata.causal, self.alibi_slopes,
                                 self.sliding_window, attn_metadata.block_table, float(self.logits_soft_cap),
-                                attn_metadata.scheduler_metadata, self._sinks())
+                                attn_metadata.scheduler_metadata, self._sinks(),
+                                step_memo=attn_metadata.__dict__.setdefault("_neuron_kernel_choice", {}))
         return output
 
     def _sinks(self) -> torch.Tensor | None:

@@ -18,9 +18,11 @@ nothing on the hardware. Paged attention is priced from the step's per-sequence 
 lengths (hardware.model.paged_attention_cost), i.e. by the cached context actually attended.
 
 `paged_attention` (the attention backend's entry) sends a decode step instead to the NKI
-decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_attention`): it
-reads vLLM's cache through the block table, computes on the host with the kernel's numerics and
-is charged the kernel's simulated latency (kernels/pricing.py).
+decode-attention kernel (kernels/decode_attention.py, op `nki_kernels::decode_attention`):
+`neuron_serving::decode_attention` (C++, csrc/fused_layers.cpp) reads vLLM's cache through the
+block table's first ceil(longest context / block size) columns, computes on the host with the
+kernel's numerics and appends a record of `nki_kernels::decode_attention`, priced by the kernel's
+simulated latency (kernels/pricing.py).
 
 The host time of a decode step is vLLM's own plus the kernels' host work: each Python kernel's
 cost is looked up per (kernel, signature, target), priced only the first time, and charged
@@ -40,8 +42,6 @@ from torchneuron.hardware.timeline import get_timeline, has_listeners
 from torchneuron.hardware.worklog import charge, drain
 from torchneuron.kernels import decode_attention as nki_decode
 from torchneuron.kernels import torch_ops as nki_ops
-from torchneuron.nki.bridge import priced_stats
-from torchneuron.nki.on_device import stats_cost
 from torchneuron.runtime import _C as fast  # the runtime's entry points for per-call Python code
 from torchneuron.runtime import host_view
 
@@ -57,6 +57,8 @@ _LIB.define("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache,
             "Tensor query_start_loc, Tensor seq_lens, float scale, bool causal, Tensor? alibi_slopes, "
             "int sliding_window, Tensor block_table, float softcap, Tensor scheduler_metadata, "
             "Tensor? sinks) -> ()")
+_LIB.define("decode_attention(Tensor query, Tensor kv_cache, Tensor(a!) output, Tensor seq_lens, Tensor block_table, "
+            "int tokens, float scale) -> ()")
 
 
 _host_view_op = torch.ops.torchneuron.host_view
@@ -184,50 +186,10 @@ def _decode_refusal(kv_cache: torch.Tensor, query: torch.Tensor, t: int, block_t
     return None
 
 
-_DECODE_OP = "nki_kernels::decode_attention"
-# the decode kernel's (cost, timeline metadata) per target and shapes
-_decode_prices: dict[tuple, tuple[perf_model.Cost, dict]] = {}
-
-
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, t: int, scale: float) -> None:
-    """A decode step's attention with the NKI decode kernel `nki_kernels::decode_attention` over
-    the first ceil(max context / block size) columns of the block table: what
-    `kernels.torch_ops.paged_decode_attention` runs for neuron tensors (the table's columns and a
-    strided query made contiguous on the device, the kernel's host numerics, charged the kernel's
-    price, its result written into `output`, through a copy on the device if `output` is strided),
-    called directly on the host views,
-    without the custom-op and NKI-bridge layers around it (the operands' checks are
-    _decode_refusal's)."""
-    _ready()
-    b = query.shape[0] // t
-    bs = kv_cache.shape[2] // 2
-    lens = _host(seq_lens)[:b]
-    width = -(-int(lens.max()) // bs)
-    table = block_table[:b, :width].contiguous()
-    q = query.view(b, t, *query.shape[1:]).contiguous()  # the kernel reads q [B, T, Hq, d] row-major
-    result = nki_decode.host(_host(q), _host(kv_cache), _host(table), lens.view(b, 1), scale)
-    key = (get_target().name, q.dtype, q.shape, kv_cache.shape, width)
-    priced = _decode_prices.get(key)
-    if priced is None:  # the table and lengths as the kernel takes them: int32 [B, width] and [B, 1]
-        sigs = [_sig(q), _sig(kv_cache), (torch.int32, (b, width)), (torch.int32, (b, 1))]
-        if len(_decode_prices) >= _PRICES_LIMIT:
-            _decode_prices.clear()
-        priced = _decode_prices[key] = stats_cost(priced_stats(_DECODE_OP, sigs))
-    cost, meta = priced
-    _enqueue("nki::decode_attention", cost, q.device.index, meta)
-    if output.is_contiguous():  # the kernel writes its [B, T, Hq, d] rows straight into output
-        _host(output).view(result.shape).copy_(result)
-    else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _host(out).copy_(result)
-        output.view(out.shape).copy_(out)
-
-
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, isa: str, scale: float, causal: bool, alibi_slopes: torch.Tensor | None,
                     sliding_window: int, block_table: torch.Tensor, softcap: float,
-                    scheduler_metadata: torch.Tensor, sinks: torch.Tensor | None) -> None:
+                    scheduler_metadata: torch.Tensor, sinks: torch.Tensor | None, step_memo: dict | None = None) -> None:
     """One layer's attention over a step's sequences into `output`. kv_cache is vLLM's cache viewed
     [blocks, kv_heads, 2 * block_size, head_size] (each block's keys, then its values, as vLLM's
     CPU kernels for `isa` lay them out).
@@ -237,13 +199,23 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
     first ceil(max context / block size) columns; a step with prefill chunks runs
     `neuron_serving::paged_attention`. A decode step the kernel cannot take (a feature it lacks,
     a head size, block size or cache layout outside its constraints) warns once and runs the
-    latter too; strict mode (TORCHNEURON_STRICT=1) raises instead."""
-    t = _decode_tokens(query_start_loc, query.shape[1])
+    latter too; strict mode (TORCHNEURON_STRICT=1) raises instead.
+
+    `step_memo`: a dict that lives for one step (the attention backend keeps it on the step's
+    metadata); the choice of kernel is made once per step for the layers that share its inputs."""
+    memo_key = (query.shape[1:], query.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, isa, causal,
+                alibi_slopes is None, sliding_window, softcap, sinks is None)
+    decided = None if step_memo is None else step_memo.get(memo_key)
+    if decided is None:
+        t = _decode_tokens(query_start_loc, query.shape[1])
+        decided = (t, _decode_refusal(kv_cache, query, t, block_table, isa, causal, alibi_slopes, sliding_window,
+                                      softcap, sinks) if t else None)
+        if step_memo is not None:
+            step_memo[memo_key] = decided
+    t, reason = decided
     if t:
-        reason = _decode_refusal(kv_cache, query, t, block_table, isa, causal, alibi_slopes, sliding_window, softcap,
-                                 sinks)
         if reason is None:
-            _decode_attention(query, kv_cache, output, seq_lens, block_table, t, scale)
+            ops.decode_attention(query, kv_cache, output, seq_lens, block_table, t, scale)
             return
         nki_ops.fallback_once(nki_decode.UnsupportedInput(reason))
     key_cache, value_cache = kv_cache.chunk(2, dim=2)

@@ -1,6 +1,7 @@
 // The device kernels of vLLM's fused layers on the neuron platform (serving/llm/layers.py calls
-// them): RMSNorm with and without the residual add, SiLU-and-mul, rotary embedding and the
-// KV-cache write, the PrivateUse1 kernels of the `neuron_serving` ops kernels.py defines.
+// them): RMSNorm with and without the residual add, SiLU-and-mul, rotary embedding, the KV-cache
+// write and a decode step's attention, the PrivateUse1 kernels of the `neuron_serving` ops
+// kernels.py defines.
 //
 // Each call is one kernel: it computes on zero-copy host aliases of the device tensors with the
 // arithmetic vLLM's CPU platform runs, then appends one work-log record that the device timeline
@@ -11,7 +12,10 @@
 // Rounding points (kernels.py explains why): RMSNorm normalises in float32, rounds to the input
 // dtype, then multiplies by the weight in its dtype; SiLU-and-mul rounds the SiLU to the input
 // dtype before the product. Rotary embedding and the KV-cache write are vLLM's own CPU kernels
-// (`_C::rotary_embedding`, `_C::cpu_attn_reshape_and_cache`) run on the aliases.
+// (`_C::rotary_embedding`, `_C::cpu_attn_reshape_and_cache`) run on the aliases. Decode attention
+// is the NKI decode-attention kernel's host path, charged as `nki_kernels::decode_attention`
+// (priced by the kernel's simulation, kernels/pricing.py).
+#include "decode_attention.h"
 #include "host_alias.h"
 
 #include <ATen/ATen.h>
@@ -117,6 +121,32 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
   record_kernel(op, {sig_of(key), sig_of(value), sig_of(slot_mapping)}, {sig_of(key_cache)}, device_index_of(key));
 }
 
+// A decode step's attention (every sequence `tokens` new tokens, the operands checked by
+// kernels.py's _decode_refusal): query [B * T, Hq, d], kv_cache [blocks, Hkv, 2 * bs, d], the
+// first B rows of seq_lens and block_table; the NKI kernel walks the table's first
+// ceil(longest context / bs) columns. The result goes into output [B * T, Hq, d].
+void decode_attention(const Tensor& query, const Tensor& kv_cache, Tensor& output, const Tensor& seq_lens,
+                      const Tensor& block_table, int64_t tokens, double scale) {
+  ready();
+  const int64_t b = query.size(0) / tokens, bs = kv_cache.size(2) / 2;
+  Tensor table;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    const Tensor lens = maybe_alias(seq_lens).narrow(0, 0, b);
+    const int64_t longest = lens.max().item<int64_t>();
+    table = maybe_alias(block_table).narrow(0, 0, b).narrow(1, 0, (longest + bs - 1) / bs);
+    const Tensor q = maybe_alias(query).reshape({b, tokens, query.size(1), query.size(2)});
+    const Tensor result = paged_decode_attention_host(q, maybe_alias(kv_cache), table, lens, scale);
+    maybe_alias(output).copy_(result.view(output.sizes()));
+  }
+  static const c10::OperatorHandle op = serving_op("nki_kernels::decode_attention");
+  TensorSig q = sig_of_numel(query.scalar_type(), 0);  // q as the kernel takes it: [B, T, Hq, d]
+  q.ndim = 4;
+  const int64_t shape[] = {b, tokens, query.size(1), query.size(2)};
+  std::copy(std::begin(shape), std::end(shape), q.sizes);
+  record_kernel(op, {q, sig_of(kv_cache), sig_of(table)}, {q}, device_index_of(query));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(neuron_serving, PrivateUse1, m) {
@@ -125,6 +155,7 @@ TORCH_LIBRARY_IMPL(neuron_serving, PrivateUse1, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("decode_attention", &decode_attention);
 }
 
 }  // namespace torchneuron
