@@ -35,10 +35,19 @@ void ready() { adaptive_flush("a serving kernel reads device memory"); }
 
 DeviceIndex device_index_of(const Tensor& t) { return is_neuron(t) ? t.device().index() : 0; }
 
-// RMSNorm of float32 rows with vLLM-native's (and transformers') rounding points.
-Tensor normalise(const Tensor& summed, const Tensor& weight, double eps, c10::ScalarType dtype) {
-  Tensor normed = summed * at::rsqrt(summed.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  return (normed.to(weight.scalar_type()) * weight).to(dtype);
+// RMSNorm of float32 rows `summed` into `out` with vLLM-native's (and transformers') rounding
+// points: normalise in float32, round to the weight's dtype, multiply by the weight, round to
+// out's dtype. `summed` may be overwritten when `own_summed` (a temporary of the caller's).
+// Fewer, in-place ATen calls than the Python expression, the same arithmetic element by element.
+void normalise_into(Tensor& out, Tensor summed, bool own_summed, const Tensor& weight, double eps) {
+  Tensor scale = summed.pow(2).mean({-1}, /*keepdim=*/true);
+  scale.add_(eps).rsqrt_();
+  Tensor normed = own_summed ? summed.mul_(scale) : summed * scale;
+  if (weight.scalar_type() == out.scalar_type() && normed.scalar_type() != weight.scalar_type()) {
+    at::mul_out(out, normed.to(weight.scalar_type()), weight);  // rounded once, into out
+  } else {
+    out.copy_((normed.to(weight.scalar_type()) * weight).to(out.scalar_type()));
+  }
 }
 
 void rms_norm(Tensor& out, const Tensor& x, const Tensor& weight, double eps) {
@@ -46,7 +55,9 @@ void rms_norm(Tensor& out, const Tensor& x, const Tensor& weight, double eps) {
   {
     at::AutoDispatchBelowADInplaceOrView below;
     const Tensor hx = maybe_alias(x);
-    maybe_alias(out).copy_(normalise(hx.to(at::kFloat), maybe_alias(weight), eps, hx.scalar_type()));
+    Tensor ho = maybe_alias(out);
+    const Tensor summed = hx.to(at::kFloat);
+    normalise_into(ho, summed, /*own_summed=*/!summed.is_same(hx), maybe_alias(weight), eps);
   }
   static const c10::OperatorHandle op = serving_op("neuron_serving::rms_norm");
   record_kernel(op, {sig_of(x), sig_of(weight)}, {sig_of(out)}, device_index_of(x));
@@ -57,9 +68,10 @@ void fused_add_rms_norm(Tensor& x, Tensor& residual, const Tensor& weight, doubl
   {
     at::AutoDispatchBelowADInplaceOrView below;
     Tensor hx = maybe_alias(x), hres = maybe_alias(residual);
-    const Tensor summed = hx.to(at::kFloat) + hres.to(at::kFloat);
+    // float32 + the residual read as float32 (exact): the sum in float32, a new tensor
+    const Tensor summed = at::add(hx.to(at::kFloat), hres.to(at::kFloat));
     hres.copy_(summed);  // the new residual, rounded to its dtype; the norm reads the float32 sum
-    hx.copy_(normalise(summed, maybe_alias(weight), eps, hx.scalar_type()));
+    normalise_into(hx, summed, /*own_summed=*/true, maybe_alias(weight), eps);
   }
   // one pass: read x, residual and the weight, write the normalised x and the sum (the new
   // residual): the two writes as one signature of their bytes (a record holds four)
