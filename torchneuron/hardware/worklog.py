@@ -195,7 +195,7 @@ def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
     runs: dict[tuple[int, int], list] = {}  # (device, stream) -> [seconds, {engine: busy}, count]
     for i in range(len(records)):
         at = i * size
-        kind, op_id, device, stream, flags, _, _, _, aux, _ = _HEAD.unpack_from(data, at)
+        kind, op_id, device, stream, flags, _, _, _, aux, host_seconds = _HEAD.unpack_from(data, at)
         cost = None
         if kind <= COPY:
             if flags & FALLBACK:
@@ -207,31 +207,32 @@ def _drain_small(records: np.ndarray, device_timeline: Any) -> None:
                     cost = _price(records[i])
                     _cache_price(key, cost)
             if bulk:
-                run = runs.get((device, stream))
-                if run is None:
-                    run = runs[device, stream] = [0.0, {}, 0]
-                run[0] += cost.duration_s
-                run[1][cost.engine] = run[1].get(cost.engine, 0.0) + cost.duration_s
-                run[2] += 1
+                _add_to_run(runs, device, stream, cost.duration_s, {cost.engine: cost.duration_s}, 1)
                 continue
-        elif kind == FOLDED:
+        elif kind == FOLDED:  # seconds in host_seconds, records in aux
             busy = _folded_busy(data, at)
             if bulk:
-                run = runs.get((device, stream))
-                if run is None:
-                    run = runs[device, stream] = [0.0, {}, 0]
-                run[0] += struct.unpack_from("<d", data, at + _HOST_SECONDS_AT)[0]
-                for engine, b in busy.items():
-                    run[1][engine] = run[1].get(engine, 0.0) + b
-                run[2] += aux
+                _add_to_run(runs, device, stream, host_seconds, busy, aux)
             else:
-                _advance_folded(device, stream, data, at, device_timeline)
+                device_timeline.get_timeline(device).advance(stream, host_seconds, busy, aux)
             continue
         if runs:
             _advance_runs(runs, device_timeline)
         _apply(kind, device, stream, op_id, flags, aux, cost, device_timeline)
     if runs:
         _advance_runs(runs, device_timeline)
+
+
+def _add_to_run(runs: dict[tuple[int, int], list], device: int, stream: int, seconds: float,
+                busy: dict[str, float], count: int) -> None:
+    """Adds `count` records of `seconds` in all (`busy` per engine) to their stream's run."""
+    run = runs.get((device, stream))
+    if run is None:
+        run = runs[device, stream] = [0.0, {}, 0]
+    run[0] += seconds
+    for engine, b in busy.items():
+        run[1][engine] = run[1].get(engine, 0.0) + b
+    run[2] += count
 
 
 def _advance_runs(runs: dict[tuple[int, int], list], device_timeline: Any) -> None:
@@ -279,20 +280,12 @@ def _entry_batch(records: np.ndarray, charged: list[tuple[np.ndarray, np.ndarray
         record=index.tolist())
 
 
-def _advance_folded(device: int, stream: int, data: bytes, at: int, device_timeline: Any) -> None:
-    """Charges the FOLDED record at byte `at` of `data` to its stream (no listener sees it)."""
-    seconds, = struct.unpack_from("<d", data, at + _HOST_SECONDS_AT)
-    count, = struct.unpack_from("<q", data, at + _AUX_AT)
-    device_timeline.get_timeline(device).advance(stream, seconds, _folded_busy(data, at), count)
-
-
-_HOST_SECONDS_AT, _AUX_AT = RECORD.fields["host_seconds"][1], RECORD.fields["aux"][1]
-
-
 def _replay(record: np.void, cost: Any, device_timeline: Any) -> None:
     """Applies one control (or FOLDED) record to its device timeline."""
-    if int(record["kind"]) == FOLDED:
-        _advance_folded(int(record["device"]), int(record["stream"]), record.tobytes(), 0, device_timeline)
+    if int(record["kind"]) == FOLDED:  # its records' seconds in host_seconds, their count in aux
+        device_timeline.get_timeline(int(record["device"])).advance(
+            int(record["stream"]), float(record["host_seconds"]), _folded_busy(record.tobytes(), 0),
+            int(record["aux"]))
         return
     _apply(int(record["kind"]), int(record["device"]), int(record["stream"]), int(record["op_id"]),
            int(record["flags"]), int(record["aux"]), cost, device_timeline)

@@ -6,6 +6,8 @@
 
 #include <c10/core/DispatchKeySet.h>
 
+#include <algorithm>
+
 namespace torchneuron {
 
 // The names the runtime's op-level files (fallback, kernels, host aliases) share.
@@ -54,6 +56,14 @@ inline TensorSig sig_of(const at::Tensor& t) {
 inline TensorSig sig_of_numel(c10::ScalarType dtype, int64_t numel) {
   TensorSig s;
   fill_sig_numel(s, dtype, numel);
+  return s;
+}
+// The signature of a tensor of `dtype` and `sizes` (at most kSigDims) that need not exist.
+inline TensorSig sig_of_shape(c10::ScalarType dtype, c10::IntArrayRef sizes) {
+  TORCH_INTERNAL_ASSERT(sizes.size() <= static_cast<size_t>(kSigDims));
+  TensorSig s = sig_of_numel(dtype, 0);
+  s.ndim = static_cast<int8_t>(sizes.size());
+  std::copy(sizes.begin(), sizes.end(), s.sizes);
   return s;
 }
 

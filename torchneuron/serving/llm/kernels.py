@@ -5,9 +5,9 @@ Each is a torch op in the `neuron_serving` namespace with a PrivateUse1 kernel, 
 one device kernel: it computes on zero-copy host views of the device tensors (the software
 NeuronCore's kernels run on the host), then charges one kernel to the device timeline priced by the
 performance model. The per-layer ones (the norms, SiLU-and-mul, rotary embedding, the KV-cache
-write) are C++ (csrc/fused_layers.cpp): they append a work-log record, priced by name like any op;
-paged attention and the MoE router are below. The arithmetic is what vLLM's CPU platform runs, so results match it bit for bit
-in every dtype: its C++ kernels for attention, the KV-cache write and rotary embedding; for RMSNorm
+write, a decode step's attention) are C++ (csrc/fused_layers.cpp): they append a work-log record,
+priced by name like any op; paged attention with prefill chunks and the MoE router are below. The
+arithmetic is what vLLM's CPU platform runs, so results match it bit for bit in every dtype: its C++ kernels for attention, the KV-cache write and rotary embedding; for RMSNorm
 and SiLU-and-mul, which the CPU platform runs as PyTorch-native code, the native rounding points
 (RMSNorm: normalise in float32, round to the input dtype, then multiply by the weight in its dtype;
 SiLU-and-mul: SiLU rounded to the input dtype, then the product). vLLM's C++ `rms_norm` and
@@ -223,8 +223,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.T
                         alibi_slopes, sliding_window, block_table, softcap, scheduler_metadata, sinks)
 
 
-# rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding and reshape_and_cache have C++
-# kernels (csrc/fused_layers.cpp, registered for these schemas when the runtime loads)
+# rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, reshape_and_cache and
+# decode_attention have C++ kernels (csrc/fused_layers.cpp, registered for these schemas when the
+# runtime loads)
 _LIB.impl("paged_attention", _paged_attention, "PrivateUse1")
 
 ops = torch.ops.neuron_serving

@@ -68,7 +68,7 @@ void fused_add_rms_norm(Tensor& x, Tensor& residual, const Tensor& weight, doubl
   {
     at::AutoDispatchBelowADInplaceOrView below;
     Tensor hx = maybe_alias(x), hres = maybe_alias(residual);
-    // float32 + the residual read as float32 (exact): the sum in float32, a new tensor
+    // both read as float32 (exact), the sum in float32: a new tensor
     const Tensor summed = at::add(hx.to(at::kFloat), hres.to(at::kFloat));
     hres.copy_(summed);  // the new residual, rounded to its dtype; the norm reads the float32 sum
     normalise_into(hx, summed, /*own_summed=*/true, maybe_alias(weight), eps);
@@ -118,8 +118,8 @@ void rotary_embedding(const Tensor& positions, Tensor& query, const std::optiona
   const int64_t rotated = query.numel() + (has_key ? key->numel() : 0);
   const TensorSig heads = sig_of_numel(query.scalar_type(), rotated);
   static const c10::OperatorHandle op = serving_op("neuron_serving::rotary_embedding");
-  record_kernel(op, {sig_of(positions), sig_of_numel(cos_sin_cache.scalar_type(), positions.numel() * cos_sin_cache.size(-1)), heads},
-                {heads}, device_index_of(query));
+  const TensorSig rows = sig_of_numel(cos_sin_cache.scalar_type(), positions.numel() * cos_sin_cache.size(-1));
+  record_kernel(op, {sig_of(positions), rows, heads}, {heads}, device_index_of(query));
 }
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
@@ -152,10 +152,8 @@ void decode_attention(const Tensor& query, const Tensor& kv_cache, Tensor& outpu
     maybe_alias(output).copy_(result.view(output.sizes()));
   }
   static const c10::OperatorHandle op = serving_op("nki_kernels::decode_attention");
-  TensorSig q = sig_of_numel(query.scalar_type(), 0);  // q as the kernel takes it: [B, T, Hq, d]
-  q.ndim = 4;
-  const int64_t shape[] = {b, tokens, query.size(1), query.size(2)};
-  std::copy(std::begin(shape), std::end(shape), q.sizes);
+  // q as the kernel takes it: [B, T, Hq, d]
+  const TensorSig q = sig_of_shape(query.scalar_type(), {b, tokens, query.size(1), query.size(2)});
   record_kernel(op, {q, sig_of(kv_cache), sig_of(table)}, {q}, device_index_of(query));
 }
 
