@@ -66,6 +66,19 @@ def _word(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+def _switch_or(*words: str) -> Callable[[str], str]:
+    """A switch (-> 'on'/'off') or one of `words`."""
+    def parse(text: str) -> str:
+        word = text.strip().lower()
+        if word in words:
+            return word
+        try:
+            return "on" if parse_switch(word) else "off"
+        except ValueError:
+            raise ValueError(f"expected one of: {', '.join(words)}, a switch (1/0)") from None
+    return parse
+
+
 def _text(text: str) -> str:
     return text
 
@@ -121,13 +134,12 @@ class Settings:
         "`1` (experimental): a compiled graph's first calls run the graph with ATen kernels, charged as planned, "
         "until its C++ kernels finish building in the background (results can differ from the C++ kernels' in "
         "the last bits; default: the first call waits for the build)")
-    compile_rope_ce_kernels: bool = variable(
-        "TORCHNEURON_COMPILE_ROPE_CE_KERNELS", False,
-        "`1` (experimental): torch.compile substitutes NKI-lib's RoPE and (fused linear +) cross-entropy kernels "
-        "for rotary embeddings and cross-entropy, and its SwiGLU kernels for Llama's MLP (off by default: at tiny model "
-        "sizes the RoPE/CE kernels' fixed costs make the modeled step slower than the plan's fused generic ops, and the "
-        "SwiGLU backward, which recomputes gate and up, is slower than the unfused ops' at 4096 x 4096 -> 14336: "
-        "bench/nki_kernels.py)")
+    compile_rope_ce_kernels: str = variable(
+        "TORCHNEURON_COMPILE_ROPE_CE_KERNELS", "price",
+        "where torch.compile substitutes NKI-lib's RoPE, (fused linear +) cross-entropy, SwiGLU MLP and RMSNorm + "
+        "projection kernels: `price` (default) at each site where the kernel's modeled time, forward and backward, "
+        "beats the plan of the generic ops (compiler/site_price.py); `1` wherever the kernel takes the operands; `0` "
+        "never", _switch_or("price"))
     nki_alias: bool = variable(
         "TORCHNEURON_NKI_ALIAS", False,
         "`1`: `neuronxcc.nki` and `nki` import this package's NKI (for unmodified AWS kernels)")

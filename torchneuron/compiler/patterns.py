@@ -9,8 +9,8 @@ query attention, one head size for queries, keys and values, on float32/bfloat16
 neuron tensors, with a causal flag or an
 additive/boolean mask that needs no gradient) -> `torchneuron::flash_attention`; transformers'
 MoE `transformers::grouped_mm_fallback` on neuron -> `torchneuron::grouped_mm` (patterns_moe.py);
-RoPE and cross-entropy (patterns_rope_ce.py, opt-in) and Llama's SwiGLU MLP (patterns_norm_mlp.py, opt-in
-under the same switch) -> NKI-lib's kernels.
+RoPE and cross-entropy (patterns_rope_ce.py) and Llama's SwiGLU MLP (patterns_norm_mlp.py) -> NKI-lib's
+kernels, at the sites where the kernels' modeled price is lower (site_price.py).
 """
 from __future__ import annotations
 
@@ -98,19 +98,23 @@ SUBSTITUTIONS += patterns_rope_ce.SUBSTITUTIONS + patterns_norm_mlp.SUBSTITUTION
 def _erase_unused(graph: torch.fx.Graph, nodes: list[Node]) -> None:
     """Erases the nodes a rewrite left without users, and their inputs left so, recursively
     (what the replaced pattern computed: the kernel computes it now)."""
-    stack = list(nodes)
+    stack, erased = list(nodes), set()
     while stack:
         node = stack.pop()
-        if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
-            continue
+        if node in erased or node.users or node.op not in ("call_function", "call_method") or node.is_impure():
+            continue  # (a node two erased nodes read is on the stack twice)
         stack.extend(node.all_input_nodes)
         graph.erase_node(node)
+        erased.add(node)
 
 
 def substitute(gm: GraphModule) -> dict[str, int]:
     """Applies every substitution to the graph; returns how often each applied."""
     counts = {s.name: 0 for s in SUBSTITUTIONS}
+    live = set(gm.graph.nodes)
     for node in list(gm.graph.nodes):
+        if node not in live:  # erased by an earlier rewrite
+            continue
         for substitution in SUBSTITUTIONS:
             if substitution.matches(node):
                 replacement = substitution.rewrite(node)
@@ -119,6 +123,7 @@ def substitute(gm: GraphModule) -> dict[str, int]:
                 gm.graph.erase_node(node)
                 _erase_unused(gm.graph, inputs)
                 counts[substitution.name] += 1
+                live = set(gm.graph.nodes)
                 break
     if any(counts.values()):
         gm.recompile()

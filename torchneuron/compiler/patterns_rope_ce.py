@@ -13,19 +13,21 @@ patterns.py runs these `Substitution`s before autograd (so backward is the kerne
   `rope_ce_ops.linear_cross_entropy` (`nki_kernels::linear_ce_fwd`): the logits never exist.
 
 Only neuron tensors of static shape and float dtype are substituted; otherwise the graph is left
-alone. Both are off unless TORCHNEURON_COMPILE_ROPE_CE_KERNELS=1 (at tiny sizes the kernels' fixed
-costs make a modeled step slower than the plan's fused generic ops).
+alone. Each matched site is substituted only where the kernel's modeled plan, forward and backward,
+is cheaper than the generic ops' (site_price.py: at small sizes the kernels' fixed costs lose to the
+plan's fused generic ops, and the generic loss fuses into the head's matmul);
+TORCHNEURON_COMPILE_ROPE_CE_KERNELS=1 substitutes wherever the kernels apply, =0 never.
 """
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from torchneuron import settings
+from torchneuron.compiler import site_price
 from torchneuron.compiler.substitution import FLOAT_TYPES, Substitution, example_value
 from torchneuron.kernels import cross_entropy as ce
 from torchneuron.kernels import rope as rp
@@ -40,7 +42,7 @@ LINEAR = (F.linear, torch._C._nn.linear)
 
 
 def _enabled() -> bool:
-    return settings.current().compile_rope_ce_kernels
+    return site_price.mode() != "off"
 
 
 def _call(node: Any, targets: tuple) -> bool:
@@ -115,7 +117,13 @@ def _is_rope(node: Node) -> bool:
         rp.check_shapes(nt.tensor[(b * h, s, d), x.dtype], table, table)
     except rp.UnsupportedInput:
         return False
-    return True
+    return site_price.kernel_chosen("rope", rope_reference, rope_ce_ops.apply_rope, (x, cos, sin))
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: the computation the pattern matches."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _rewrite_rope(node: Node) -> Node:
@@ -150,7 +158,56 @@ def _is_cross_entropy(node: Node) -> bool:
     integer = (torch.int64, torch.int32)
     if not _static_neuron(logits) or not _static_neuron(labels, integer) or logits.dim() != 2:
         return False
-    return labels.shape == logits.shape[:1] and logits.shape[0] % ce.P == 0
+    return labels.shape == logits.shape[:1] and logits.shape[0] % ce.P == 0 and _ce_kernel(node) is not None
+
+
+def _ce_kernel(node: Node) -> str | None:
+    """Which kernel a matched cross-entropy site becomes: 'fused' (linear_cross_entropy, when the
+    head can fuse and that is chosen), 'logits' (cross_entropy over the logits) or None. A head
+    producing the logits is part of the site priced: the generic plan fuses the loss into the
+    head's matmul."""
+    args = _ce_arguments(node)
+    constants = (args.get("ignore_index", -100), args.get("reduction", "mean"))
+    logits, labels = example_value(args["input"]), example_value(args["target"])
+    head = head_of(args["input"])
+    if head is None:
+        chosen = site_price.kernel_chosen("cross_entropy", _ce_reference, rope_ce_ops.cross_entropy, (logits, labels),
+                                          constants)
+        return "logits" if chosen else None
+    h, w, shared = (example_value(head[0]), example_value(head[1]), head[2])
+    constants += (logits.dtype, shared)
+    if fused_head(args["input"]) is not None and site_price.kernel_chosen(
+            "linear_cross_entropy", _head_ce_reference, _linear_ce_kernel, (h, w, labels), constants):
+        return "fused"
+    chosen = site_price.kernel_chosen("cross_entropy_after_head", _head_ce_reference, _head_ce_kernel, (h, w, labels),
+                                      constants)
+    return "logits" if chosen else None
+
+
+def _ce_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+
+
+def _head_ce(loss: Callable, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+             reduction: str, logits_dtype: torch.dtype, shared: bool) -> Any:
+    """A head's logits F.linear(h, w) (cast to the loss's dtype, flattened), then `loss` of them;
+    the logits are an output too when the graph reads them elsewhere."""
+    logits = F.linear(h, w).to(logits_dtype).reshape(-1, w.shape[0])
+    out = loss(logits, labels, ignore_index, reduction)
+    return (out, logits) if shared else out
+
+
+def _head_ce_reference(*args: Any) -> Any:
+    return _head_ce(_ce_reference, *args)
+
+
+def _head_ce_kernel(*args: Any) -> Any:
+    return _head_ce(rope_ce_ops.cross_entropy, *args)
+
+
+def _linear_ce_kernel(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str,
+                      _logits_dtype: torch.dtype, _shared: bool) -> torch.Tensor:
+    return rope_ce_ops.linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, labels, ignore_index, reduction)
 
 
 def _single_user(node: Node) -> bool:
@@ -168,21 +225,36 @@ def _upcast_or_view(node: Node) -> bool:
     return node.target in ("view", "reshape")
 
 
-def fused_head(logits: Node) -> tuple[Node, Node] | None:
-    """(h, W) when the logits are only F.linear(h, W) without bias (through upcasts and views)
-    and nothing else reads them: the fused linear cross-entropy may replace the head."""
-    node = logits
-    while isinstance(node, Node) and _single_user(node) and _upcast_or_view(node):
+def head_of(logits: Node) -> tuple[Node, Node, bool] | None:
+    """(h, W, shared) when the logits are F.linear(h, W) without bias (through upcasts and views)
+    of static neuron tensors of one dtype; shared: something else reads the logits or a step
+    of that chain (they are then computed and written either way)."""
+    node, shared = logits, False
+    while isinstance(node, Node) and _upcast_or_view(node):
+        shared = shared or not _single_user(node)
         node = node.args[0]
-    if not _call(node, LINEAR) or not _single_user(node):
+    if not _call(node, LINEAR) or _linear_bias(node) is not None:
         return None
     h, w = node.args[:2]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    if bias is not None:
-        return None
     h_val, w_val = example_value(h), example_value(w)
     if not (_static_neuron(h_val) and _static_neuron(w_val)) or h_val.dtype != w_val.dtype:
         return None
+    return h, w, shared or not _single_user(node)
+
+
+def _linear_bias(node: Node) -> Any:
+    """The bias argument of an F.linear call node (None when it has none)."""
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+
+def fused_head(logits: Node) -> tuple[Node, Node] | None:
+    """(h, W) when the logits are only F.linear(h, W) without bias (through upcasts and views)
+    and nothing else reads them: the fused linear cross-entropy may replace the head."""
+    head = head_of(logits)
+    if head is None or head[2]:
+        return None
+    h, w, _ = head
+    h_val, w_val = example_value(h), example_value(w)
     d = h_val.shape[-1]
     tokens = h_val.numel() // d
     try:
@@ -196,7 +268,7 @@ def fused_head(logits: Node) -> tuple[Node, Node] | None:
 def _rewrite_cross_entropy(node: Node) -> Node:
     args = _ce_arguments(node)
     ignore_index, reduction = args.get("ignore_index", -100), args.get("reduction", "mean")
-    head = fused_head(args["input"])
+    head = fused_head(args["input"]) if _ce_kernel(node) == "fused" else None
     graph = node.graph
     with graph.inserting_before(node):
         if head is None:
