@@ -98,7 +98,7 @@ def _method(node: Any, name: str) -> bool:
 
 def _cast_dtype(node: Any) -> torch.dtype | None:
     """d when node is t.to(d) (a dtype only), else None."""
-    if not _method(node, "to") or len(node.users) < 1:
+    if not _method(node, "to"):
         return None
     if len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
         return node.args[1]
@@ -174,11 +174,9 @@ def _norm_projections_kernel(x: torch.Tensor, w_norm: torch.Tensor, *weights_and
 
 
 def _is_rmsnorm_linear(node: Node) -> bool:
-    operands = rmsnorm_operands(node) if _enabled() and _call(node, MUL) else None
+    operands = rmsnorm_operands(node) if _enabled() else None
     projections = _projections(node) if operands is not None else None
     if projections is None:
-        return False
-    if _feeds_swiglu(projections):
         return False
     x, w_norm, eps = operands
     tensors = [example_value(n) for n in (x, w_norm, *(p.args[1] for p in projections))]
@@ -192,6 +190,8 @@ def _is_rmsnorm_linear(node: Node) -> bool:
     try:
         nm.check_rmsnorm_linear(nt.tensor[(xv.numel() // max(1, d), d), xv.dtype], nt.tensor[(1, d), xv.dtype], stacked)
     except nm.UnsupportedInput:
+        return False
+    if _feeds_swiglu(projections):  # (after the cheap checks: it may price the SwiGLU site)
         return False
     return site_price.kernel_chosen("rmsnorm_linear", _norm_projections_reference, _norm_projections_kernel, tensors,
                                     (eps,))
