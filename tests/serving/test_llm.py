@@ -116,3 +116,41 @@ def test_modeled_time_is_recorded_per_request(engine):
     assert record["output_tokens"] == 6 and record["target"] == "trn2"
     assert record["ttft_s"] > 0 and record["tpot_s"] > 0
     assert record["tpot_s"] < 1e-2  # a tiny model's decode step on trn2 is microseconds, not host time
+
+
+def test_modeled_time_read_per_window_equals_per_step(engine, monkeypatch):
+    """The clock is read once per window of identical decode steps: every request's record equals
+    the one reading the clock at every step gives, with requests that finish at different steps,
+    one stopped by a token, one arriving while another decodes (as a server's do) and windows cut
+    by WINDOW_STEPS."""
+    llm, _, timing_dir = engine
+    from vllm import SamplingParams
+
+    from torchneuron.serving.llm import timing
+
+    prompts = ["Windows of decode steps", "A second request", "And a third one", "A late arrival"]
+    stop_at = llm.generate(prompts[2:3], _greedy(12))[0].outputs[0].token_ids[6]
+    params = [_greedy(5), _greedy(40), SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_at]),
+              _greedy(9)]
+    engine_ = llm.llm_engine
+
+    def records(run: str) -> list[dict]:
+        ids = [f"{run}-{i}" for i in range(len(prompts))]
+        for i in range(3):
+            engine_.add_request(ids[i], prompts[i], params[i])
+        for _ in range(8):  # the batch decodes a while before the last request arrives
+            engine_.step()
+        engine_.add_request(ids[3], prompts[3], params[3])
+        while engine_.has_unfinished_requests():
+            engine_.step()
+        reader = timing.TimingReader(timing_dir)
+        return [reader.for_request(i) for i in ids]
+
+    windowed = records("windowed")
+    monkeypatch.setattr(timing, "WINDOW_STEPS", 1)
+    per_step = records("per-step")
+    assert [r["output_tokens"] for r in windowed] == [r["output_tokens"] for r in per_step] == [5, 40, 7, 9]
+    for w, s in zip(windowed, per_step):
+        assert w["ttft_s"] == pytest.approx(s["ttft_s"], rel=1e-9)
+        assert w["decode_s"] == pytest.approx(s["decode_s"], rel=1e-9) and w["decode_s"] > 0
+        assert w["steps"] == s["steps"]

@@ -61,7 +61,7 @@ class NeuronModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         with _neuron_streams():
             super().__init__(vllm_config, device)
-        self.step_timer = timing.StepTimer(device)
+        self.step_timer = timing.StepTimer(device, self.requests, self.max_model_len)
 
     def _copy_draft_token_ids_to_cpu(self, *args: Any, **kwargs: Any) -> None:
         with _neuron_streams():
@@ -75,16 +75,13 @@ class NeuronModelRunner(GPUModelRunner):
         self.step_timer.begin(scheduler_output)
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if output is not None:  # nothing left to sample: the step ends here
-            self.step_timer.end(self._output_counts())
+            self.step_timer.end()
         return output
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         output = super().sample_tokens(*args, **kwargs)
-        self.step_timer.end(self._output_counts())
+        self.step_timer.end()
         return output
-
-    def _output_counts(self) -> dict[str, int]:
-        return {req_id: len(state.output_token_ids) for req_id, state in self.requests.items()}
 
 
 class NeuronWorker(Worker):
